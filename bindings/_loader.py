@@ -1,0 +1,115 @@
+"""Find and open the llama.cpp shared libraries, once per process.
+
+By default kvrt binds to the libraries that llama-cpp-python installs, so both talk to
+the same copy of llama.cpp in the process and handles can be passed between them.
+``KVRT_LLAMA_LIB_DIR`` points kvrt at a user's own build instead.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import cffi
+
+from kvrt.bindings._cdef import CDEF, GGML_CDEF
+from kvrt.errors import LibraryError
+
+LIB_DIR_ENV = "KVRT_LLAMA_LIB_DIR"
+TESTED_LLAMA_CPP_PYTHON = "0.3.36"
+
+ffi = cffi.FFI()
+ffi.cdef(CDEF)
+ffi.cdef(GGML_CDEF)
+
+_init_lock = threading.Lock()
+
+
+def _shared_name(stem: str) -> str:
+    if sys.platform == "darwin":
+        return f"lib{stem}.dylib"
+    if sys.platform == "win32":
+        return f"{stem}.dll"
+    return f"lib{stem}.so"
+
+
+def library_dir() -> Path:
+    """The directory holding libllama and libggml*, from the environment or llama_cpp."""
+    override = os.environ.get(LIB_DIR_ENV)
+    if override:
+        path = Path(override)
+        if not (path / _shared_name("llama")).exists():
+            raise LibraryError(f"{LIB_DIR_ENV}={override!r} holds no {_shared_name('llama')}")
+        return path
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        raise LibraryError(
+            "llama-cpp-python is not installed; install it (pip install "
+            f"llama-cpp-python=={TESTED_LLAMA_CPP_PYTHON}) or set {LIB_DIR_ENV} to a llama.cpp build"
+        )
+    path = Path(spec.origin).parent / "lib"
+    if not (path / _shared_name("llama")).exists():
+        raise LibraryError(f"llama_cpp at {path.parent} ships no {_shared_name('llama')} in lib/")
+    return path
+
+
+def _check_layout(lib: Any) -> None:
+    """Refuse a library whose struct layout disagrees with our declarations.
+
+    ABI mode cannot see the headers, so read llama.cpp's default parameters through
+    our declarations: a shifted field shows up as an impossible default.
+    """
+    cparams = lib.llama_context_default_params()
+    mparams = lib.llama_model_default_params()
+    sane = (
+        cparams.n_seq_max == 1
+        and 0 < cparams.n_ubatch <= cparams.n_batch <= 1 << 20
+        and cparams.offload_kqv is True
+        and cparams.samplers == ffi.NULL
+        and cparams.ctx_other == ffi.NULL
+        and mparams.devices == ffi.NULL
+        and mparams.vocab_only is False
+    )
+    if not sane:
+        raise LibraryError(
+            "llama.cpp's struct layout does not match kvrt's declarations "
+            f"(kvrt was written against llama-cpp-python {TESTED_LLAMA_CPP_PYTHON}; "
+            f"loaded llama.cpp reports version {ffi.string(lib.llama_version()).decode()!r})"
+        )
+
+
+@cache
+def _open() -> tuple[Any, Any]:
+    directory = library_dir()
+    # ggml-base first: libllama's own dependency lookup then finds the copy already mapped.
+    try:
+        ggml_base = ffi.dlopen(str(directory / _shared_name("ggml-base")))
+        ffi.dlopen(str(directory / _shared_name("ggml")))
+        llama = ffi.dlopen(str(directory / _shared_name("llama")))
+    except OSError as exc:
+        raise LibraryError(f"cannot open llama.cpp libraries in {directory}: {exc}") from exc
+    _check_layout(llama)
+    return llama, ggml_base
+
+
+def llama() -> Any:
+    """The opened libllama, with the backend initialised exactly once per process."""
+    return _initialised()[0]
+
+
+def ggml() -> Any:
+    """The opened libggml-base (device, buffer-type and buffer functions)."""
+    return _initialised()[1]
+
+
+@cache
+def _initialised() -> tuple[Any, Any]:
+    with _init_lock:
+        lib, ggml_base = _open()
+        lib.llama_backend_init()
+        return lib, ggml_base

@@ -1,0 +1,60 @@
+"""kvrt: many llama.cpp agents on one GPU, without redoing shared prefill and without OOM.
+
+Names are imported lazily so that ``import kvrt`` stays cheap and GPU-only parts
+(CuPy, Numba) load only when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    # foundation
+    "Model": "kvrt.model",
+    "ModelFingerprint": "kvrt.model",
+    "Context": "kvrt.context",
+    "ContextParams": "kvrt.context",
+    "Batch": "kvrt.batch",
+    "Sampler": "kvrt.sampling",
+    "SamplingParams": "kvrt.sampling",
+    "GenerationParams": "kvrt.generation",
+    "Completion": "kvrt.generation",
+    "generate": "kvrt.generation",
+    "prefill": "kvrt.generation",
+    "demo_model_path": "kvrt.demo_model",
+    "KvrtError": "kvrt.errors",
+    # compute once, fan out
+    "Snapshot": "kvrt.snapshot",
+    "SnapshotPool": "kvrt.snapshot",
+    "fanout": "kvrt.fanout",
+    "Branch": "kvrt.fanout",
+    "Pipeline": "kvrt.pipeline",
+    # admission control and time-slicing
+    "VramLedger": "kvrt.ledger",
+    "ModelRegistry": "kvrt.registry",
+    "Scheduler": "kvrt.scheduler",
+    "Client": "kvrt.client",
+    # layer streaming
+    "LayerStreamer": "kvrt.streamer",
+    # elastic KV memory
+    "ElasticPool": "kvrt.elastic",
+    "ElasticKV": "kvrt.elastic_kv",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvrt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

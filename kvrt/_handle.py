@@ -1,0 +1,43 @@
+"""Ownership of one native handle: freed exactly once, never used after."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvrt.bindings import ffi
+from kvrt.errors import ClosedError
+
+
+class NativeHandle:
+    """Holds a cffi pointer and the function that frees it.
+
+    ``borrowed`` handles belong to someone else (a ``llama_cpp.Llama``), so closing
+    only forgets them. After :meth:`close`, :attr:`ptr` raises :class:`ClosedError`
+    instead of handing a dangling pointer to C.
+    """
+
+    __slots__ = ("_ptr", "_free", "_what", "borrowed")
+
+    def __init__(self, ptr: Any, free: Callable[[Any], None], what: str, *, borrowed: bool = False) -> None:
+        if ptr == ffi.NULL:
+            raise ValueError(f"{what}: NULL handle")
+        self._ptr = ptr
+        self._free = free
+        self._what = what
+        self.borrowed = borrowed
+
+    @property
+    def ptr(self) -> Any:
+        if self._ptr is None:
+            raise ClosedError(f"{self._what} was already freed")
+        return self._ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr is None
+
+    def close(self) -> None:
+        ptr, self._ptr = self._ptr, None
+        if ptr is not None and not self.borrowed:
+            self._free(ptr)

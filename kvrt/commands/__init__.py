@@ -1,0 +1,1 @@
+"""Subcommands of the ``kvrt`` CLI, one module each (see :mod:`kvrt.cli`)."""

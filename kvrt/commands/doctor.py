@@ -1,0 +1,109 @@
+"""Report what kvrt sees: Python, llama.cpp and its backends, GPUs, CuPy, Numba, the demo model."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import platform
+from collections.abc import Callable
+from typing import Any
+
+HELP = "show what kvrt sees on this machine"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    del parser
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _llama() -> list[str]:
+    from kvrt.bindings import DEVICE_TYPES, ffi, ggml, lib, library_dir
+
+    out = [
+        f"library dir     {library_dir()}",
+        f"llama.cpp       {ffi.string(lib().llama_version()).decode()}",
+        f"gpu offload     {bool(lib().llama_supports_gpu_offload())}",
+        f"system          {ffi.string(lib().llama_print_system_info()).decode().strip()}",
+    ]
+    g = ggml()
+    regs = [ffi.string(g.ggml_backend_reg_name(g.ggml_backend_reg_get(i))).decode()
+            for i in range(g.ggml_backend_reg_count())]
+    out.append(f"backends        {', '.join(regs) or 'none'}")
+    free, total = ffi.new("size_t *"), ffi.new("size_t *")
+    for i in range(g.ggml_backend_dev_count()):
+        dev = g.ggml_backend_dev_get(i)
+        g.ggml_backend_dev_memory(dev, free, total)
+        kind = DEVICE_TYPES.get(g.ggml_backend_dev_type(dev), "?")
+        name = ffi.string(g.ggml_backend_dev_name(dev)).decode()
+        desc = ffi.string(g.ggml_backend_dev_description(dev)).decode()
+        out.append(f"device {i}        {name} ({kind}) {desc}: {free[0] / 2**30:.1f} / {total[0] / 2**30:.1f} GiB free")
+    return out
+
+
+def _nvml() -> list[str]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        out = [f"driver          {pynvml.nvmlSystemGetDriverVersion()}"]
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            out.append(f"gpu {i}           {pynvml.nvmlDeviceGetName(handle)}: "
+                       f"{mem.used / 2**30:.1f} used / {mem.total / 2**30:.1f} GiB")
+        return out
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _cupy() -> list[str]:
+    import cupy
+
+    return [f"cupy            {cupy.__version__}, {cupy.cuda.runtime.getDeviceCount()} device(s)"]
+
+
+def _numba() -> list[str]:
+    import numba
+    from numba import cuda
+
+    return [f"numba           {numba.__version__}, CUDA available: {cuda.is_available()}"]
+
+
+def _demo() -> list[str]:
+    from kvrt.demo_model import INSTALL_HINT, is_installed
+
+    if not is_installed():
+        return [f"demo model      not installed ({INSTALL_HINT})"]
+    from kvrt.demo_model import demo_model_path
+
+    return [f"demo model      {demo_model_path()}"]
+
+
+def _section(title: str, probe: Callable[[], list[str]]) -> None:
+    print(f"[{title}]")
+    try:
+        lines: list[Any] = probe()
+    except Exception as exc:  # a doctor reports every failure instead of stopping at the first
+        lines = [f"unavailable: {type(exc).__name__}: {exc}"]
+    for line in lines:
+        print(f"  {line}")
+
+
+def run(args: argparse.Namespace) -> int:
+    del args
+    import kvrt
+
+    print(f"kvrt {kvrt.__version__} on Python {platform.python_version()} ({platform.machine()}, {platform.system()})")
+    print(f"  llama-cpp-python {_version('llama-cpp-python')}, cffi {_version('cffi')}, numpy {_version('numpy')}")
+    _section("llama.cpp", _llama)
+    _section("NVML", _nvml)
+    _section("CuPy", _cupy)
+    _section("Numba", _numba)
+    _section("demo model", _demo)
+    return 0
