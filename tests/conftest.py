@@ -1,0 +1,89 @@
+"""Shared fixtures: generated test models, the demo model, GPU detection, hypothesis profiles.
+
+Kernels run under Numba's CUDA simulator wherever no NVIDIA GPU is visible, so the
+same kernel tests run on CI (simulated) and on the GPU machine (real).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+
+def _nvidia_gpu_present() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount() > 0
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return False
+
+
+HAS_GPU = _nvidia_gpu_present()
+if not HAS_GPU:
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=200, deadline=None)
+settings.register_profile("deep", max_examples=5000, deadline=None, suppress_health_check=list(HealthCheck))
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (none visible through NVML on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-layer F32 llama GGUF with random weights (a few MB, deterministic)."""
+    from kvrt.testmodels import write_model
+
+    return write_model(tmp_path_factory.mktemp("models") / "tiny.gguf", "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def other_tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same shape as ``tiny_model_path``, different weights: a different model."""
+    from kvrt.testmodels import write_model
+
+    return write_model(tmp_path_factory.mktemp("models") / "tiny-seed1.gguf", "tiny", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_path: Path):
+    from kvrt.model import Model
+
+    model = Model(tiny_model_path)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="session")
+def demo_model_path() -> Path:
+    """The real demo model (Gemma 3 270M Q4_K_M); skipped where the package is absent."""
+    from kvrt.demo_model import INSTALL_HINT, demo_model_path, is_installed
+
+    if not is_installed():
+        pytest.skip(f"demo model not installed ({INSTALL_HINT})")
+    return demo_model_path()
+
+
+@pytest.fixture(scope="session")
+def demo_model(demo_model_path: Path):
+    from kvrt.model import Model
+
+    model = Model(demo_model_path)
+    yield model
+    model.close()
