@@ -28,7 +28,7 @@ _EXPORTS: dict[str, str] = {
     "KvrtError": "kvrt.errors",
     # compute once, fan out
     "Snapshot": "kvrt.snapshot",
-    "SnapshotPool": "kvrt.snapshot",
+    "HostPool": "kvrt.hostpool",
     "fanout": "kvrt.fanout",
     "Branch": "kvrt.fanout",
     "Pipeline": "kvrt.pipeline",
