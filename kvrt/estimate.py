@@ -1,0 +1,221 @@
+"""Memory estimates that come from the model, not from ``file size x 1.5``.
+
+Admission has to happen *before* loading (reserve, then load), so the first estimate
+is read from the GGUF header alone: every tensor's byte size and where llama.cpp will
+place it, and the KV cache that the requested context implies from the architecture
+numbers. After loading, :class:`DeviceMeter` measures what the device really gave up
+so the reservation can be corrected (:meth:`kvrt.ledger.VramLedger.resize`).
+
+lmxd's hand-written ``model_vram`` table is still accepted (:func:`parse_vram_table`):
+an operator's number, where one is given, overrides the derived one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvrt.errors import KvrtError
+
+KV_TYPE_BYTES = 2  # llama.cpp's default cache type is F16 for both K and V
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+# Tensors llama.cpp always keeps in host memory, whatever n_gpu_layers says.
+_HOST_ONLY = {"token_embd.weight"}
+
+
+class EstimateError(KvrtError):
+    """A model file or a VRAM table could not be read into an estimate."""
+
+
+def parse_vram_table(text: str, *, source: str = "<table>") -> dict[str, int]:
+    """lmxd's ``model_vram`` table: one ``<model_key> <bytes>`` entry per line.
+
+    Blank lines and ``#`` comments are skipped. Keys are model paths (or names); a key
+    given twice, a missing or non-integer byte count, or extra fields are refused with
+    the line number, because a silently misread budget is worse than none.
+    """
+    table: dict[str, int] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        fields = line.split()
+        if len(fields) != 2:
+            raise EstimateError(f"{source}:{number}: expected '<model_key> <bytes>', got {len(fields)} fields: {raw!r}")
+        key, value = fields
+        if not value.isdigit():
+            raise EstimateError(f"{source}:{number}: byte count {value!r} for {key!r} is not a non-negative integer")
+        if key in table:
+            raise EstimateError(f"{source}:{number}: {key!r} is listed twice")
+        nbytes = int(value)
+        if nbytes >= 2**64:
+            raise EstimateError(f"{source}:{number}: byte count {nbytes} for {key!r} exceeds 64 bits")
+        table[key] = nbytes
+    return table
+
+
+def load_vram_table(path: str | os.PathLike[str]) -> dict[str, int]:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EstimateError(f"cannot read VRAM table {path}: {exc}") from exc
+    return parse_vram_table(text, source=str(path))
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a GGUF header says about memory: tensor bytes per layer and the KV geometry."""
+
+    path: Path
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    key_length: int
+    value_length: int
+    n_vocab: int
+    layer_bytes: tuple[int, ...]
+    host_only_bytes: int
+    other_bytes: int
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> ModelShape:
+        """Parse the header only (tensor data is memory-mapped, never read)."""
+        import gguf
+
+        path = Path(path).resolve()
+        try:
+            reader = gguf.GGUFReader(str(path))
+        except (OSError, ValueError) as exc:
+            raise EstimateError(f"cannot read GGUF header of {path}: {exc}") from exc
+
+        def field(key: str, default: int | None = None) -> int:
+            entry = reader.fields.get(key)
+            if entry is None:
+                if default is None:
+                    raise EstimateError(f"{path.name}: GGUF metadata has no {key!r}")
+                return default
+            return int(entry.contents())
+
+        arch = str(reader.fields["general.architecture"].contents())
+        n_layer = field(f"{arch}.block_count")
+        n_embd = field(f"{arch}.embedding_length")
+        n_head = field(f"{arch}.attention.head_count")
+        n_head_kv = field(f"{arch}.attention.head_count_kv", n_head)
+        head_dim = n_embd // n_head
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        layer_bytes = [0] * n_layer
+        host_only = other = 0
+        for tensor in reader.tensors:
+            match = _LAYER.match(tensor.name)
+            if match and int(match.group(1)) < n_layer:
+                layer_bytes[int(match.group(1))] += int(tensor.n_bytes)
+            elif tensor.name in _HOST_ONLY:
+                host_only += int(tensor.n_bytes)
+            else:
+                other += int(tensor.n_bytes)
+        return cls(
+            path=path, arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+            key_length=field(f"{arch}.attention.key_length", head_dim),
+            value_length=field(f"{arch}.attention.value_length", head_dim),
+            n_vocab=len(tokens.data) if tokens is not None else 0,
+            layer_bytes=tuple(layer_bytes), host_only_bytes=host_only, other_bytes=other,
+        )
+
+    @property
+    def file_weight_bytes(self) -> int:
+        return sum(self.layer_bytes) + self.host_only_bytes + self.other_bytes
+
+    def weight_bytes(self, n_gpu_layers: int = -1, *, on_gpu: bool = True) -> int:
+        """Weight bytes the budgeted device will hold.
+
+        On a GPU, llama.cpp offloads the *last* ``n_gpu_layers`` blocks and, once every
+        block is offloaded, the output head too; the input embedding stays in host
+        memory. Without a GPU the budget stands for the process's own memory, so all
+        weights count.
+        """
+        if not on_gpu:
+            return self.file_weight_bytes
+        n = self.n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, self.n_layer + 1)
+        blocks = sum(self.layer_bytes[self.n_layer - min(n, self.n_layer):])
+        return blocks + (self.other_bytes if n > self.n_layer else 0)
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in every layer at the default F16 cache type."""
+        return self.n_layer * self.n_head_kv * (self.key_length + self.value_length) * KV_TYPE_BYTES
+
+    def kv_bytes(self, n_ctx: int) -> int:
+        return self.kv_bytes_per_token() * n_ctx
+
+    def compute_bytes(self, n_ubatch: int) -> int:
+        """llama.cpp's compute buffer, approximately: the logits of a micro-batch plus its
+        activations. An estimate on purpose; the measurement after creating the context
+        replaces it where a device can be measured."""
+        return 4 * n_ubatch * (self.n_vocab + 8 * self.n_embd)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes one admission asks for, by part, and where the number came from."""
+
+    weights_bytes: int
+    kv_bytes: int
+    compute_bytes: int
+    source: str  # "derived" (from the GGUF header), "table" (operator's number) or "measured"
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.compute_bytes
+
+
+def context_estimate(shape: ModelShape, n_ctx: int, n_ubatch: int = 512) -> Estimate:
+    """What one context of ``n_ctx`` cells (one sequence) adds on top of the weights."""
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx <= 0:
+        raise EstimateError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+    return Estimate(0, shape.kv_bytes(n_ctx), shape.compute_bytes(min(n_ubatch, n_ctx)), "derived")
+
+
+class DeviceMeter:
+    """Free memory of the GPU devices llama.cpp uses, read before and after a step.
+
+    ``delta()`` is what the step took, or ``None`` where llama.cpp has no GPU device
+    (then nothing can be measured and the derived estimate stands).
+    """
+
+    def __init__(self) -> None:
+        from kvrt.bindings import DEVICE_TYPES, ffi, ggml
+
+        g = ggml()
+        self._devices = [g.ggml_backend_dev_get(i) for i in range(g.ggml_backend_dev_count())
+                         if DEVICE_TYPES.get(g.ggml_backend_dev_type(g.ggml_backend_dev_get(i))) in ("gpu", "igpu")]
+        self._ffi = ffi
+        self._ggml = g
+        self._before = self._free()
+
+    @staticmethod
+    def gpu_present() -> bool:
+        from kvrt.bindings import DEVICE_TYPES, ggml
+
+        g = ggml()
+        return any(DEVICE_TYPES.get(g.ggml_backend_dev_type(g.ggml_backend_dev_get(i))) in ("gpu", "igpu")
+                   for i in range(g.ggml_backend_dev_count()))
+
+    def _free(self) -> int | None:
+        if not self._devices:
+            return None
+        free, total = self._ffi.new("size_t *"), self._ffi.new("size_t *")
+        out = 0
+        for device in self._devices:
+            self._ggml.ggml_backend_dev_memory(device, free, total)
+            out += int(free[0])
+        return out
+
+    def delta(self) -> int | None:
+        after = self._free()
+        if after is None or self._before is None:
+            return None
+        return max(self._before - after, 0)
