@@ -1,0 +1,153 @@
+"""The layer streamer: its plan and arithmetic on any machine, its passes on a GPU.
+
+CPU: the plan is replayed on a timeline with arbitrary per-layer durations and must
+never compute a layer before its copy ends nor copy into a slot still being read;
+bad configurations are refused before anything is allocated; the report's ratios.
+GPU: serial and overlapped passes give bit-identical results, also when every slot
+is poisoned right after its layer is used; the real-layer mode matches NumPy.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvrt.errors import KvrtError
+from kvrt.streamplan import (
+    POOL_ALIGN,
+    Kind,
+    RunTimes,
+    StreamConfig,
+    StreamConfigError,
+    StreamMemoryError,
+    makespan,
+    plan,
+    report,
+    simulate,
+)
+
+durations = st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=1, max_size=12)
+
+
+def assert_no_hazard(intervals) -> None:
+    copies = {iv.layer: iv for iv in intervals if iv.kind is Kind.COPY}
+    works = {iv.layer: iv for iv in intervals if iv.kind is Kind.WORK}
+    assert sorted(copies) == sorted(works) == list(range(len(copies)))
+    for layer, work in works.items():
+        copy = copies[layer]
+        assert work.slot == copy.slot
+        assert work.start >= copy.end, f"layer {layer} computed before its copy ended"
+        for other in copies.values():  # no copy into this slot while this layer is being read
+            if other.slot == work.slot and other.layer != layer:
+                assert other.end <= copy.start or other.start >= work.end, (
+                    f"copy of layer {other.layer} overlaps the use of layer {layer} in slot {work.slot}")
+    assert [w.layer for w in sorted(works.values(), key=lambda w: w.start)] == sorted(works)
+
+
+@given(data=st.data(), overlapped=st.booleans())
+def test_plan_never_reads_early_or_overwrites_a_slot_in_use(data: st.DataObject, overlapped: bool) -> None:
+    transfer = data.draw(durations)
+    compute = data.draw(st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=len(transfer),
+                                 max_size=len(transfer)))
+    assert_no_hazard(simulate(plan(len(transfer), overlapped=overlapped), transfer, compute))
+
+
+@given(data=st.data())
+def test_serial_plan_takes_the_sum_and_overlapped_the_pipeline_bound(data: st.DataObject) -> None:
+    transfer = data.draw(durations)
+    compute = data.draw(st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=len(transfer),
+                                 max_size=len(transfer)))
+    n = len(transfer)
+    serial = makespan(simulate(plan(n, overlapped=False), transfer, compute))
+    assert serial == pytest.approx(sum(transfer) + sum(compute))
+    # two-slot pipeline recurrence: copy i starts after copy i-1 and compute i-2; compute i after copy i and compute i-1
+    copy_end, comp_end = [0.0] * n, [0.0] * n
+    for i in range(n):
+        start = max(copy_end[i - 1] if i else 0.0, comp_end[i - 2] if i >= 2 else 0.0)
+        copy_end[i] = start + transfer[i]
+        comp_end[i] = max(copy_end[i], comp_end[i - 1] if i else 0.0) + compute[i]
+    assert makespan(simulate(plan(n, overlapped=True), transfer, compute)) == pytest.approx(comp_end[-1])
+
+
+def test_balanced_uniform_layers_approach_two_times() -> None:
+    n = 32
+    overlapped = makespan(simulate(plan(n, overlapped=True), [1.0] * n, [1.0] * n))
+    assert overlapped == pytest.approx(n + 1)  # fill + n steps: 2n / (n + 1) -> 2
+
+
+def test_layers_are_page_aligned_in_the_pool() -> None:
+    config = StreamConfig((5, 4096, 1), slot_bytes=4096)
+    assert config.offsets == (0, POOL_ALIGN, 2 * POOL_ALIGN)
+    assert config.pool_bytes == 2 * POOL_ALIGN + 1
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    (StreamConfig.uniform(0, 1024), ["at least one layer", "0"]),
+    (StreamConfig((1024, 0), 1024), ["layer 1", "0 bytes"]),
+    (StreamConfig((1024, 4096, 2048), 2048), ["layer 1", "4096", "2048"]),
+    (StreamConfig.uniform(2, 1024, slot_bytes=0), ["slot", "0"]),
+])
+def test_impossible_configs_are_refused_with_their_numbers(config: StreamConfig, words: list[str]) -> None:
+    with pytest.raises(StreamConfigError) as info:
+        config.check()
+    assert isinstance(info.value, KvrtError)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_pool_larger_than_pinnable_host_memory_is_refused() -> None:
+    config = StreamConfig.uniform(8, 1 << 30)
+    with pytest.raises(StreamMemoryError, match=r"8 layers needs 8589934592 bytes.*of 4294967296 bytes available"):
+        config.check_memory(host_available=4 << 30, device_free=80 << 30)
+
+
+def test_slots_larger_than_free_device_memory_are_refused() -> None:
+    config = StreamConfig.uniform(2, 1 << 30)
+    with pytest.raises(StreamMemoryError, match=r"need 2147483648 bytes; the GPU has 1073741824 bytes free"):
+        config.check_memory(host_available=64 << 30, device_free=1 << 30)
+
+
+def test_streamer_refuses_bad_config_before_looking_for_a_gpu() -> None:
+    from kvrt.streamer import LayerStreamer
+
+    with pytest.raises(StreamConfigError):
+        LayerStreamer(StreamConfig.uniform(0, 1024))
+
+
+def test_streamer_says_there_is_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where CuPy cannot be imported (as on a machine without CUDA) the refusal says what is missing."""
+    from kvrt.streamer import LayerStreamer, NoGpuError
+
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    with pytest.raises(NoGpuError, match="needs CuPy and a CUDA GPU"):
+        LayerStreamer(StreamConfig.uniform(2, 1024))
+
+
+def times(transfer: list[float], compute: list[float], total: float) -> RunTimes:
+    return RunTimes(tuple(transfer), tuple(compute), total)
+
+
+def test_report_ratios_for_a_balanced_run() -> None:
+    n, mib = 16, 1 << 20
+    serial = times([1.0] * n, [1.0] * n, 2.0 * n)
+    overlapped = times([1.05] * n, [1.0] * n, n + 1.5)
+    transfer_only = times([1.0] * n, [0.0] * n, 0.95 * n)
+    r = report(serial, overlapped, transfer_only, [64 * mib] * n)
+    assert r.speedup == pytest.approx(32 / 17.5)
+    assert r.savings == pytest.approx(1 - 17.5 / 32)
+    assert r.ideal_speedup == pytest.approx(2.0)
+    assert r.pipeline_ideal_speedup == pytest.approx(32 / 17)
+    assert r.efficiency == pytest.approx(r.speedup / 2)
+    assert r.pipeline_efficiency == pytest.approx(17 / 17.5)
+    assert r.h2d_gbps == pytest.approx(64 * mib / 1.05e6)
+    assert r.h2d_fraction == pytest.approx(0.95 / 1.05)
+
+
+def test_headline_has_the_seeds_exact_format() -> None:
+    r = report(times([2.0], [1.0], 3.0), times([2.0], [1.0], 2.5), times([2.0], [0.0], 2.0), [1 << 20])
+    assert r.headline() == "HEADLINE: serial=3.00 ms, overlapped=2.50 ms, savings=16.67%, speedup=1.200x"
+    assert "ideal=1.500x" in r.detail() and "efficiency=0.800" in r.detail()
