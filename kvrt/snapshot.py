@@ -82,18 +82,22 @@ def token_hash(tokens: Sequence[int] | np.ndarray) -> str:
 class StateLayout:
     """Context parameters that decide whether a state fits a context.
 
-    ``flash_attn`` decides whether V is stored transposed; ``swa_full`` how sliding-window
-    layers keep their cells. ``n_ctx_seq`` is recorded for the report; a target only
-    needs room for the snapshot's tokens.
+    ``n_stream`` is how many KV streams the cache has (1 with unified KV, else one per
+    sequence): llama.cpp refuses a state from a cache with another count. ``flash_attn``
+    decides whether V is stored transposed; ``swa_full`` how sliding-window layers keep
+    their cells. ``n_ctx_seq`` is recorded for the report; a target only needs room for
+    the snapshot's tokens.
     """
 
     n_ctx_seq: int
+    n_stream: int
     flash_attn: str
     swa_full: bool
 
     @classmethod
     def of(cls, ctx: Context) -> StateLayout:
-        return cls(ctx.n_ctx_seq, ctx.params.flash_attn, ctx.params.swa_full)
+        n_stream = 1 if ctx.params.kv_unified else ctx.n_seq_max
+        return cls(ctx.n_ctx_seq, n_stream, ctx.params.flash_attn, ctx.params.swa_full)
 
 
 # Which device capture of (context, source sequence) is current: a new capture overwrites
@@ -197,7 +201,7 @@ class Snapshot:
             raise SnapshotMismatch(f"snapshot holds {self.n_tokens} tokens but a sequence of the target context "
                                    f"has only {target.n_ctx_seq} cells (n_ctx={ctx.n_ctx}, "
                                    f"n_seq_max={ctx.n_seq_max}); captured with n_ctx_seq={self.layout.n_ctx_seq}")
-        for field in ("flash_attn", "swa_full"):
+        for field in ("n_stream", "flash_attn", "swa_full"):
             mine, theirs = getattr(self.layout, field), getattr(target, field)
             if mine != theirs:
                 raise SnapshotMismatch(f"snapshot was captured with {field}={mine!r}, target context has "

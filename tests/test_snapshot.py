@@ -1,0 +1,255 @@
+"""Snapshots and the host pool, against full recompute on the tiny F32 model (real llama.cpp, CPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvrt.context import Context
+from kvrt.errors import DecodeError
+from kvrt.generation import prefill
+from kvrt.hostpool import PAGE, HostPool, HostPoolError, size_class
+from kvrt.model import Model
+from kvrt.snapshot import Snapshot, SnapshotCorrupt, SnapshotError, SnapshotMismatch, token_hash
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 6
+PROMPT = " In one word, the animal is"
+
+
+@pytest.fixture(scope="module")
+def doc(tiny_model: Model) -> list[int]:
+    return tiny_model.tokenize(TEXT)
+
+
+@pytest.fixture(scope="module")
+def prompt(tiny_model: Model) -> list[int]:
+    return tiny_model.tokenize(PROMPT, add_special=False)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Model, doc: list[int], prompt: list[int]) -> np.ndarray:
+    """Last-token logits of document + prompt computed from scratch in a fresh context."""
+    with Context(tiny_model, n_ctx=256) as ctx:
+        prefill(ctx, doc, logits_last=False)
+        return ctx.logits(prefill(ctx, prompt))
+
+
+@pytest.fixture()
+def snapshot(tiny_model: Model, doc: list[int]):
+    with Context(tiny_model, n_ctx=256) as ctx:
+        prefill(ctx, doc, logits_last=False)
+        snap = Snapshot.capture(ctx, tokens=doc)
+    yield snap
+    snap.release()
+
+
+def continue_logits(ctx: Context, prompt: list[int], seq_id: int = 0) -> np.ndarray:
+    return ctx.logits(prefill(ctx, prompt, seq_id=seq_id))
+
+
+def test_restore_into_fresh_context_is_bit_identical_to_recompute(tiny_model, snapshot, doc, prompt, reference):
+    with Context(tiny_model, n_ctx=256) as ctx:
+        snapshot.restore(ctx)
+        assert ctx.seq_len(0) == len(doc) == snapshot.n_tokens  # decoding continues at prefix_len
+        np.testing.assert_array_equal(continue_logits(ctx, prompt), reference)
+
+
+def test_snapshot_metadata_comes_from_the_engine(tiny_model, snapshot, doc):
+    with Context(tiny_model, n_ctx=256) as ctx:
+        prefill(ctx, doc, logits_last=False)
+        assert snapshot.nbytes == ctx.seq_state_size(0)
+    assert snapshot.fingerprint == tiny_model.fingerprint
+    assert snapshot.tokens_hash == token_hash(doc)
+    assert snapshot.tier == "host"
+
+
+def test_restore_into_another_sequence_of_a_multi_sequence_context(tiny_model, snapshot, prompt, reference):
+    with Context(tiny_model, n_ctx=512, n_seq_max=2, kv_unified=True) as ctx:
+        snapshot.restore(ctx, 1)
+        assert ctx.seq_len(0) == 0
+        np.testing.assert_array_equal(continue_logits(ctx, prompt, seq_id=1), reference)
+
+
+def test_a_wrong_position_offset_is_caught(tiny_model, snapshot, doc, prompt, reference):
+    """RoPE positions come with the state: a wrong offset is refused by llama.cpp, and shifted
+    positions change the logits, so the bit-identity test above would catch them too."""
+    with Context(tiny_model, n_ctx=256) as ctx:
+        snapshot.restore(ctx)
+        for wrong in (0, len(doc) + 3):
+            with pytest.raises(DecodeError):
+                prefill(ctx, prompt, start_pos=wrong)
+    with Context(tiny_model, n_ctx=256) as ctx:
+        prefill(ctx, doc, start_pos=5, logits_last=False)
+        shifted = continue_logits(ctx, prompt)
+    assert not np.array_equal(shifted, reference)
+
+
+def test_snapshot_of_model_a_is_refused_on_model_b(other_tiny_model_path, snapshot, doc):
+    with Model(other_tiny_model_path) as other, Context(other, n_ctx=256) as ctx:
+        prefill(ctx, doc[:5], logits_last=False)
+        with pytest.raises(SnapshotMismatch, match="content differs"):
+            snapshot.restore(ctx)
+        assert ctx.seq_len(0) == 5  # refused before llama.cpp saw a byte: nothing changed
+
+
+def test_context_too_small_is_refused_with_numbers(tiny_model, doc):
+    long_doc = doc + doc[1:]
+    with Context(tiny_model, n_ctx=512) as ctx:
+        prefill(ctx, long_doc, logits_last=False)
+        snap = Snapshot.capture(ctx)
+    with Context(tiny_model, n_ctx=256) as ctx, snap:
+        with pytest.raises(SnapshotMismatch, match=rf"{len(long_doc)} tokens .* only {ctx.n_ctx_seq} cells"):
+            snap.restore(ctx)
+
+
+def test_stream_count_mismatch_is_refused(tiny_model, snapshot):
+    """One KV stream per sequence (non-unified) is a different state layout than one shared stream."""
+    with Context(tiny_model, n_ctx=512, n_seq_max=2) as ctx:
+        with pytest.raises(SnapshotMismatch, match="n_stream=1.*n_stream=2"):
+            snapshot.restore(ctx, 1)
+
+
+def test_layout_mismatch_is_refused(tiny_model, doc):
+    with Context(tiny_model, n_ctx=256, flash_attn="off") as ctx:
+        prefill(ctx, doc, logits_last=False)
+        snap = Snapshot.capture(ctx)
+    with Context(tiny_model, n_ctx=256, flash_attn="on") as ctx, snap:
+        with pytest.raises(SnapshotMismatch, match="flash_attn"):
+            snap.restore(ctx)
+
+
+def test_capture_checks_the_token_ids_and_refuses_an_empty_sequence(tiny_model, doc):
+    with Context(tiny_model, n_ctx=256) as ctx:
+        with pytest.raises(SnapshotError, match="holds no tokens"):
+            Snapshot.capture(ctx)
+        prefill(ctx, doc, logits_last=False)
+        with pytest.raises(SnapshotError, match=f"{len(doc) - 1} token ids given"):
+            Snapshot.capture(ctx, tokens=doc[:-1])
+        with pytest.raises(SnapshotError, match="unknown snapshot tier"):
+            Snapshot.capture(ctx, tier="gpu")  # type: ignore[arg-type]
+
+
+def test_released_snapshot_is_refused(tiny_model, snapshot):
+    snapshot.release()
+    with Context(tiny_model, n_ctx=256) as ctx, pytest.raises(SnapshotError, match="released"):
+        snapshot.restore(ctx)
+
+
+# -- disk -------------------------------------------------------------------------------
+def test_save_load_round_trip_is_bit_identical(tiny_model, snapshot, prompt, reference, tmp_path):
+    path = snapshot.save(tmp_path / "doc.kvs")
+    assert [p.name for p in tmp_path.iterdir()] == ["doc.kvs"]  # atomic: no temp file left behind
+    with Snapshot.load(path) as loaded, Context(tiny_model, n_ctx=256) as ctx:
+        assert (loaded.n_tokens, loaded.nbytes, loaded.tokens_hash) == (snapshot.n_tokens, snapshot.nbytes,
+                                                                         snapshot.tokens_hash)
+        loaded.restore(ctx)
+        np.testing.assert_array_equal(continue_logits(ctx, prompt), reference)
+
+
+def _damaged(path: Path, how: str) -> Path:
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        data = data[: len(data) // 2]
+    elif how == "payload-bit":
+        data[len(data) // 2] ^= 0x10
+    elif how == "header-bit":
+        data[20] ^= 0x01
+    elif how == "extended":
+        data += b"\0"
+    elif how == "not-a-snapshot":
+        data[:8] = b"GGUFxxxx"
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("how", ["truncated", "payload-bit", "header-bit", "extended", "not-a-snapshot"])
+def test_damaged_file_is_refused_whole(tiny_model, snapshot, doc, tmp_path, how):
+    path = _damaged(snapshot.save(tmp_path / "doc.kvs"), how)
+    pool = HostPool(pinned=False)
+    with pytest.raises(SnapshotCorrupt):
+        Snapshot.load(path, pool)
+    assert pool.stats.bytes_in_use == 0  # nothing half-loaded is left holding memory
+
+
+def test_disk_tier_restores_and_deletes_its_temporary_file(tiny_model, doc, prompt, reference):
+    with Context(tiny_model, n_ctx=256) as ctx:
+        prefill(ctx, doc, logits_last=False)
+        snap = Snapshot.capture(ctx, tier="disk")
+    assert snap.tier == "disk" and snap.path.exists()
+    with Context(tiny_model, n_ctx=256) as ctx:
+        snap.restore(ctx)
+        np.testing.assert_array_equal(continue_logits(ctx, prompt), reference)
+    snap.release()
+    assert not snap.path.exists()
+
+
+# -- device -----------------------------------------------------------------------------
+def test_device_tier_restores_in_its_own_context_only(tiny_model, doc, prompt, reference):
+    with Context(tiny_model, n_ctx=512, n_seq_max=2, kv_unified=True) as ctx, Context(tiny_model, n_ctx=512, n_seq_max=2, kv_unified=True) as other:
+        prefill(ctx, doc, logits_last=False)
+        snap = Snapshot.capture(ctx, tier="device")
+        with Snapshot.capture(ctx) as host:
+            assert snap.nbytes < host.nbytes  # tensors stayed with the context; only metadata on the host
+        snap.restore(ctx, 1)
+        np.testing.assert_array_equal(continue_logits(ctx, prompt, seq_id=1), reference)
+        with pytest.raises(SnapshotMismatch, match="same context|can only be restored there"):
+            snap.restore(other, 0)
+        newer = Snapshot.capture(ctx, 0, tier="device")
+        with pytest.raises(SnapshotMismatch, match="stale"):
+            snap.restore(ctx, 1)
+        newer.restore(ctx, 1)
+        with pytest.raises(SnapshotError, match="device-tier"):
+            newer.save("unused.kvs")
+
+
+# -- host pool --------------------------------------------------------------------------
+@given(st.integers(min_value=1, max_value=1 << 34))
+def test_size_class_bounds(nbytes):
+    capacity = size_class(nbytes)
+    assert capacity % PAGE == 0
+    assert nbytes <= capacity <= max(nbytes * 1.125 + PAGE, 8 * PAGE)
+
+
+def test_host_pool_reuses_buffers_and_aligns_them():
+    pool = HostPool(pinned=False)
+    first = pool.acquire(10_000)
+    assert first.view.nbytes == 10_000 and first.view.flags.writeable and not first.pinned
+    assert first.view.ctypes.data % PAGE == 0
+    address = first.view.ctypes.data
+    first.release()
+    first.release()  # idempotent
+    with pytest.raises(HostPoolError, match="released"):
+        first.view
+    second = pool.acquire(9_000)  # same size class
+    assert second.view.ctypes.data == address
+    assert (pool.stats.allocations, pool.stats.reuses) == (1, 1)
+    second.release()
+    assert pool.stats.bytes_in_use == 0
+
+
+def test_host_pool_limits():
+    pool = HostPool(pinned=False, max_bytes=64 * PAGE, max_cached_bytes=0)
+    held = pool.acquire(40 * PAGE)
+    with pytest.raises(HostPoolError, match="max_bytes"):
+        pool.acquire(40 * PAGE)
+    held.release()
+    assert pool.stats.bytes_cached == 0
+    pool.acquire(40 * PAGE).release()
+    with pytest.raises(HostPoolError, match="positive size"):
+        pool.acquire(0)
+
+
+@pytest.mark.gpu
+def test_host_pool_pins_on_a_gpu_machine():
+    pool = HostPool(pinned=True)
+    buf = pool.acquire(1 << 20)
+    assert buf.pinned
+    import cupy
+
+    attributes = cupy.cuda.runtime.pointerGetAttributes(buf.view.ctypes.data)
+    assert attributes.type == cupy.cuda.runtime.memoryTypeHost
+    buf.release()
