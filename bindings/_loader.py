@@ -88,13 +88,13 @@ def _open() -> tuple[Any, Any]:
     directory = library_dir()
     # ggml-base first: libllama's own dependency lookup then finds the copy already mapped.
     try:
-        ggml_base = ffi.dlopen(str(directory / _shared_name("ggml-base")))
-        ffi.dlopen(str(directory / _shared_name("ggml")))
+        ffi.dlopen(str(directory / _shared_name("ggml-base")))
+        ggml_lib = ffi.dlopen(str(directory / _shared_name("ggml")))
         llama = ffi.dlopen(str(directory / _shared_name("llama")))
     except OSError as exc:
         raise LibraryError(f"cannot open llama.cpp libraries in {directory}: {exc}") from exc
     _check_layout(llama)
-    return llama, ggml_base
+    return llama, ggml_lib
 
 
 def llama() -> Any:
@@ -103,13 +103,13 @@ def llama() -> Any:
 
 
 def ggml() -> Any:
-    """The opened libggml-base (device, buffer-type and buffer functions)."""
+    """The opened libggml (backend registry; its lookups also reach libggml-base's buffers)."""
     return _initialised()[1]
 
 
 @cache
 def _initialised() -> tuple[Any, Any]:
     with _init_lock:
-        lib, ggml_base = _open()
+        lib, ggml_lib = _open()
         lib.llama_backend_init()
-        return lib, ggml_base
+        return lib, ggml_lib

@@ -34,7 +34,8 @@ class ContextParams:
 
     ``n_ctx`` counts token cells of the whole context. With ``kv_unified`` all
     sequences draw on one pool of cells (what prefix sharing needs); without it each of
-    the ``n_seq_max`` sequences gets ``n_ctx / n_seq_max`` cells of its own.
+    the ``n_seq_max`` sequences gets ``n_ctx / n_seq_max`` cells of its own. llama.cpp
+    rounds ``n_ctx`` up to a multiple of 256: :attr:`Context.n_ctx` is the real size.
     """
 
     n_ctx: int = 4096

@@ -23,7 +23,8 @@ def _version(dist: str) -> str:
 
 
 def _llama() -> list[str]:
-    from kvrt.bindings import DEVICE_TYPES, ffi, ggml, lib, library_dir
+    from kvrt.bindings import ffi, ggml, lib, library_dir
+    from kvrt.ggml_memory import devices
 
     out = [
         f"library dir     {library_dir()}",
@@ -35,14 +36,9 @@ def _llama() -> list[str]:
     regs = [ffi.string(g.ggml_backend_reg_name(g.ggml_backend_reg_get(i))).decode()
             for i in range(g.ggml_backend_reg_count())]
     out.append(f"backends        {', '.join(regs) or 'none'}")
-    free, total = ffi.new("size_t *"), ffi.new("size_t *")
-    for i in range(g.ggml_backend_dev_count()):
-        dev = g.ggml_backend_dev_get(i)
-        g.ggml_backend_dev_memory(dev, free, total)
-        kind = DEVICE_TYPES.get(g.ggml_backend_dev_type(dev), "?")
-        name = ffi.string(g.ggml_backend_dev_name(dev)).decode()
-        desc = ffi.string(g.ggml_backend_dev_description(dev)).decode()
-        out.append(f"device {i}        {name} ({kind}) {desc}: {free[0] / 2**30:.1f} / {total[0] / 2**30:.1f} GiB free")
+    for dev in devices():
+        out.append(f"device {dev.index}        {dev.name} ({dev.kind}) {dev.description}: "
+                   f"{dev.free_bytes / 2**30:.1f} / {dev.total_bytes / 2**30:.1f} GiB free")
     return out
 
 

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The whole GPU run, on the GPU machine, from the repo root, with .gpu-carry/ carried
+# (made by tools/prepare_device.sh). Usage:  bash tools/device_run.sh [early|late|all]
+#   early: install kvrt, build llama-cpp-python with CUDA in the background, generate the
+#          benchmark models, run the steps that need no llama.cpp (tools/device_steps/early/)
+#   late:  wait for the build, run every GPU-marked test and tools/device_steps/late/
+# A machine kept warm between two calls keeps /tmp, so `early` then `late` build once.
+# Everything lands in $RESULTS and is packed into $OUT/results.tgz (+ $OUT/summary.txt).
+set -uo pipefail
+phase=${1:-all}
+ROOT=$(pwd)
+OUT=${OUT:-/tmp/kvrt-out}
+export RESULTS=${RESULTS:-/tmp/kvrt-results} MODELS=${MODELS:-/tmp/kvrt-models}
+SITE=/tmp/kvrt-site
+export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTHONSAFEPATH=1 PATH=$SITE/bin:$PATH
+mkdir -p "$OUT" "$RESULTS" "$MODELS" "$SITE"
+summary="$RESULTS/summary.txt"
+note() { echo "[$(date +%T)] $*" | tee -a "$summary"; }
+
+install_python_deps() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .gpu-carry/wheels/*.whl
+  # kvrt itself, reinstalled on every call so a warm machine runs the code just sent
+  python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target "$SITE" . \
+    && note "kvrt installed into $SITE"
+}
+
+build_llama() {
+  if python3 -c "import llama_cpp" 2>/dev/null && [ -f "$SITE/.llama-cuda" ]; then
+    note "llama-cpp-python (CUDA) already built"; return 0
+  fi
+  if [ -f .gpu-carry/llama-lib.tar ]; then   # libraries built on an earlier run, carried back
+    tar -C "$SITE" -xf .gpu-carry/llama-lib.tar && touch "$SITE/.llama-cuda" && note "llama.cpp libs from carry" && return 0
+  fi
+  rm -rf /tmp/llama-src && mkdir -p /tmp/llama-src && tar -C /tmp/llama-src -xzf .gpu-carry/llama-cpp-python.tar.gz
+  local t0=$SECONDS
+  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF" \
+  CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) - 1 )) \
+    python3 -m pip install --no-build-isolation --no-deps --no-compile --upgrade --target "$SITE" /tmp/llama-src \
+    > "$RESULTS/llama-build.log" 2>&1 \
+    && touch "$SITE/.llama-cuda" && note "llama-cpp-python CUDA build ok in $((SECONDS - t0)) s" \
+    || note "llama-cpp-python CUDA build FAILED after $((SECONDS - t0)) s (see llama-build.log)"
+}
+
+make_models() {
+  for preset in llama3.2-1b qwen2.5-7b; do
+    [ -f "$MODELS/$preset.gguf" ] || python3 tools/make_test_model.py --preset "$preset" --out "$MODELS/$preset.gguf" \
+      > "$RESULTS/model-$preset.log" 2>&1 || note "model $preset FAILED"
+  done
+  note "models: $(ls -sh "$MODELS" | tr '\n' ' ')"
+}
+
+run_steps() {  # every script in tools/device_steps/$1, each with its own log and time limit
+  local dir="tools/device_steps/$1" step name t0
+  for step in "$dir"/*.sh; do
+    [ -e "$step" ] || continue
+    name=$(basename "$step" .sh); t0=$SECONDS
+    timeout "${STEP_TIMEOUT:-200}" bash "$step" > "$RESULTS/step-$name.log" 2>&1
+    note "step $name: rc=$? in $((SECONDS - t0)) s; tail:"; tail -n 8 "$RESULTS/step-$name.log" | sed 's/^/    /' | tee -a "$summary"
+  done
+}
+
+pack() {
+  cp "$summary" "$OUT/summary.txt"
+  tar -C "$RESULTS" -czf "$OUT/results.tgz" . && note "packed $(du -sh "$OUT/results.tgz" | cut -f1)"
+}
+
+nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader | tee -a "$summary"
+install_python_deps
+case "$phase" in
+  early|all)
+    build_llama & build_pid=$!
+    make_models
+    run_steps early
+    [ "$phase" = all ] || { wait $build_pid; pack; exit 0; }
+    wait $build_pid ;;
+  late)
+    build_llama ;;
+esac
+python3 tools/probe_import_order.py > "$RESULTS/import-order.log" 2>&1; note "import-order probe: $(tail -n 3 "$RESULTS/import-order.log" | tr '\n' ' ')"
+timeout 300 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests bench > "$RESULTS/pytest-gpu.log" 2>&1
+note "pytest -m gpu: rc=$? $(tail -n 1 "$RESULTS/pytest-gpu.log")"
+run_steps late
+pack
