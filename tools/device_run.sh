@@ -28,8 +28,9 @@ build_llama() {
   if python3 -c "import llama_cpp" 2>/dev/null && [ -f "$SITE/.llama-cuda" ]; then
     note "llama-cpp-python (CUDA) already built"; return 0
   fi
-  if [ -f .gpu-carry/llama-lib.tar ]; then   # libraries built on an earlier run, carried back
-    tar -C "$SITE" -xf .gpu-carry/llama-lib.tar && touch "$SITE/.llama-cuda" && note "llama.cpp libs from carry" && return 0
+  if ls .gpu-carry/llama-cuda.tar.xz.part* >/dev/null 2>&1; then   # a build from an earlier run, carried back
+    cat .gpu-carry/llama-cuda.tar.xz.part* | xz -d | tar -C "$SITE" -x \
+      && touch "$SITE/.llama-cuda" && note "llama-cpp-python (CUDA) unpacked from carry" && return 0
   fi
   rm -rf /tmp/llama-src && mkdir -p /tmp/llama-src && tar -C /tmp/llama-src -xzf .gpu-carry/llama-cpp-python.tar.gz
   local t0=$SECONDS
@@ -59,6 +60,13 @@ run_steps() {  # every script in tools/device_steps/$1, each with its own log an
   done
 }
 
+export_llama() {  # bring the CUDA build back in parts small enough to return and to carry next time
+  [ -f "$SITE/.llama-cuda" ] || return 0
+  tar -C "$SITE" -cf - llama_cpp | xz -T0 -6 > /tmp/llama-cuda.tar.xz
+  split -b 15M -d /tmp/llama-cuda.tar.xz "$OUT/llama-cuda.tar.xz.part"
+  note "exported CUDA build: $(du -sh /tmp/llama-cuda.tar.xz | cut -f1) in $(ls "$OUT"/llama-cuda.tar.xz.part* | wc -l) parts"
+}
+
 pack() {
   cp "$summary" "$OUT/summary.txt"
   tar -C "$RESULTS" -czf "$OUT/results.tgz" . && note "packed $(du -sh "$OUT/results.tgz" | cut -f1)"
@@ -70,14 +78,15 @@ case "$phase" in
   early|all)
     build_llama & build_pid=$!
     make_models
-    run_steps early
+    [ -n "${SKIP_STEPS:-}" ] || run_steps early
     [ "$phase" = all ] || { wait $build_pid; pack; exit 0; }
     wait $build_pid ;;
   late)
     build_llama ;;
 esac
 python3 tools/probe_import_order.py > "$RESULTS/import-order.log" 2>&1; note "import-order probe: $(tail -n 3 "$RESULTS/import-order.log" | tr '\n' ' ')"
-timeout 300 python3 -m pytest -m gpu -p no:cacheprovider -q -rs tests bench > "$RESULTS/pytest-gpu.log" 2>&1
+timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu -p no:cacheprovider --continue-on-collection-errors -q -rs ${GPU_TESTS:-tests bench} > "$RESULTS/pytest-gpu.log" 2>&1
 note "pytest -m gpu: rc=$? $(tail -n 1 "$RESULTS/pytest-gpu.log")"
-run_steps late
+[ -n "${SKIP_STEPS:-}" ] || run_steps late
+[ -z "${EXPORT_LLAMA:-}" ] || export_llama
 pack
