@@ -77,7 +77,7 @@ install_python_deps
 case "$phase" in
   early|all)
     build_llama & build_pid=$!
-    make_models
+    [ -n "${SKIP_MODELS:-}" ] || make_models
     [ -n "${SKIP_STEPS:-}" ] || run_steps early
     [ "$phase" = all ] || { wait $build_pid; pack; exit 0; }
     wait $build_pid ;;
