@@ -1,0 +1,180 @@
+"""lmxd's line protocol, parsed strictly and answered in its ``OK …`` / ``ERR …`` form.
+
+One request is one line (``\\n``-terminated UTF-8, at most :data:`MAX_LINE` bytes).
+Verbs: HELP, STATUS, LIST, REGISTER ``<agent_id> <model_path> [n_ctx]``, UNREGISTER
+``<agent_id>``, DECODE ``<agent_id> <n_tokens> <prompt…>``, and kvrt's additions
+METRICS ``[agent_id]``, FORK ``<source_id> <agent_id>`` and QUIT.
+
+Replies keep lmxd's shape (``OK key=value`` lines, ``ERR CODE …`` lines, the generated
+text between ``BEGIN_RESPONSE`` and ``END_RESPONSE``) with two additions that make the
+stream framable by a program as well as readable through ``nc -U``: ``BEGIN_RESPONSE``
+carries ``bytes=N`` (the text may itself contain newlines), and every reply ends with
+the line ``END``. In a DECODE prompt ``\\n`` stands for a newline and ``\\\\`` for a
+backslash, so multi-line prompts fit on one request line.
+
+Every malformed input becomes a :class:`ProtocolError`, whose :meth:`~ProtocolError.reply`
+is an ``ERR`` line; parsing never raises anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvrt.errors import KvrtError
+
+SCHEMA = "kvrt-daemon/1"
+MAX_LINE = 1 << 20
+MAX_TOKENS = 1 << 20
+MAX_CTX = 1 << 24
+END = "END"
+_NUMBER = re.compile(r"^[0-9]{1,12}$")
+_FIELD = re.compile(r'(?:^|\s)([A-Za-z_][A-Za-z0-9_]*)=("(?:[^"\\]|\\.)*"|\S+)')
+
+HELP_LINES = (
+    "HELP                                   this text",
+    "STATUS                                 ledger (re-read from the device), models, agents",
+    "LIST                                   one line per agent",
+    "REGISTER <agent_id> <model_path> [n_ctx]  admit an agent (n_ctx default 4096)",
+    "UNREGISTER <agent_id>                  remove an agent, free its memory",
+    "DECODE <agent_id> <n_tokens> <prompt…>  append the prompt, generate up to n_tokens",
+    "METRICS [agent_id]                     request count and p50/p95/p99 latency",
+    "FORK <source_id> <agent_id>            new agent starting from a copy of source's document",
+    "QUIT                                   close this connection",
+)
+
+
+class ProtocolError(KvrtError):
+    """A request line the daemon cannot act on; ``code`` goes on the ``ERR`` line."""
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+    def reply(self) -> str:
+        return error_line(self.code, str(self))
+
+
+@dataclass(frozen=True)
+class Command:
+    verb: str
+    args: tuple[Any, ...]
+
+
+# verb -> (minimum, maximum) number of whitespace-separated arguments (DECODE: see below)
+_ARITY: dict[str, tuple[int, int]] = {
+    "HELP": (0, 0), "STATUS": (0, 0), "LIST": (0, 0), "QUIT": (0, 0),
+    "REGISTER": (2, 3), "UNREGISTER": (1, 1), "METRICS": (0, 1), "FORK": (2, 2),
+}
+
+
+def _number(text: str, what: str, low: int, high: int) -> int:
+    if not _NUMBER.match(text):
+        raise ProtocolError("BAD_NUMBER", f"{what} must be a decimal integer in [{low}, {high}], got {text[:40]!r}")
+    value = int(text)
+    if not low <= value <= high:
+        raise ProtocolError("BAD_NUMBER", f"{what} {value} is outside [{low}, {high}]")
+    return value
+
+
+def unescape_prompt(text: str) -> str:
+    """``\\n`` -> newline, ``\\\\`` -> backslash; any other escape is refused."""
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        ch = text[i]
+        if ch != "\\":
+            out.append(ch)
+            i += 1
+            continue
+        nxt = text[i + 1:i + 2]
+        if nxt == "n":
+            out.append("\n")
+        elif nxt == "\\":
+            out.append("\\")
+        else:
+            raise ProtocolError("BAD_ARGS", f"unknown escape '\\{nxt}' in prompt at character {i}: use \\n or \\\\")
+        i += 2
+    return "".join(out)
+
+
+def escape_prompt(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\r\n", "\n").replace("\r", "\n").replace("\n", "\\n")
+
+
+def parse_line(raw: bytes) -> Command:
+    """One request line (with or without its ``\\n``) as a :class:`Command`."""
+    if len(raw) > MAX_LINE + 1:
+        raise ProtocolError("LINE_TOO_LONG", f"request line of {len(raw)} bytes exceeds {MAX_LINE}")
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError("BAD_UTF8", f"request is not valid UTF-8 (byte {exc.start})") from None
+    line = line.rstrip("\r\n")
+    if "\x00" in line or "\n" in line or "\r" in line:
+        raise ProtocolError("BAD_ARGS", "request contains a NUL or a line break inside the line")
+    stripped = line.strip()
+    if not stripped:
+        raise ProtocolError("EMPTY", "empty request line; send HELP for the verbs")
+    verb, _, rest = stripped.partition(" ")
+    verb = verb.upper()
+    if verb == "DECODE":
+        return _parse_decode(rest)
+    if verb not in _ARITY:
+        raise ProtocolError("UNKNOWN_VERB", f"unknown verb {verb[:40]!r}; send HELP for the verbs")
+    args = rest.split()
+    low, high = _ARITY[verb]
+    if not low <= len(args) <= high:
+        want = str(low) if low == high else f"{low} to {high}"
+        raise ProtocolError("BAD_ARGS", f"{verb} takes {want} argument(s), got {len(args)}")
+    if verb == "REGISTER":
+        n_ctx = _number(args[2], "n_ctx", 1, MAX_CTX) if len(args) == 3 else 4096
+        return Command(verb, (args[0], args[1], n_ctx))
+    return Command(verb, tuple(args))
+
+
+def _parse_decode(rest: str) -> Command:
+    parts = rest.lstrip().split(" ", 2)
+    if len(parts) < 3 or not parts[2].strip():
+        raise ProtocolError("BAD_ARGS", "DECODE takes <agent_id> <n_tokens> <prompt…> (a non-empty prompt)")
+    agent_id, count, prompt = parts
+    return Command("DECODE", (agent_id, _number(count, "n_tokens", 1, MAX_TOKENS), unescape_prompt(prompt)))
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    text = "none" if value is None else str(value)
+    return json.dumps(text, ensure_ascii=False) if not text or any(c.isspace() or c in "\"'" for c in text) else text
+
+
+def ok_line(*words: str, **fields: Any) -> str:
+    """``OK word… key=value…`` (values with spaces or quotes are JSON-quoted)."""
+    return " ".join(["OK", *words, *(f"{k}={_value(v)}" for k, v in fields.items())])
+
+
+def error_line(code: str, message: str) -> str:
+    return f"ERR {code} " + " ".join(message.split())
+
+
+def reply(*lines: str) -> bytes:
+    """A whole reply: its lines plus the ``END`` terminator, ready to send at once."""
+    return ("\n".join((*lines, END)) + "\n").encode("utf-8")
+
+
+def response_block(text: str) -> list[str]:
+    """The generated text between ``BEGIN_RESPONSE bytes=N`` and ``END_RESPONSE``."""
+    return [f"BEGIN_RESPONSE bytes={len(text.encode('utf-8'))}", text, "END_RESPONSE"]
+
+
+def parse_fields(line: str) -> dict[str, str]:
+    """``key=value`` pairs of an ``OK``/``ERR`` line (bare words and free text are skipped)."""
+    out: dict[str, str] = {}
+    for match in _FIELD.finditer(line):
+        key, value = match.group(1), match.group(2)
+        out[key] = json.loads(value) if value.startswith('"') else value
+    return out
