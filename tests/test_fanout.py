@@ -1,0 +1,153 @@
+"""Fan-out against independent references: each branch recomputed from scratch in a fresh context."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvrt.batch import Batch
+from kvrt.context import Context, ContextParams
+from kvrt.contextpool import ContextPool
+from kvrt.fanout import Branch, FanoutError, fanout
+from kvrt.generation import GenerationParams, generate, prefill
+from kvrt.model import Model
+from kvrt.sampling import SamplingParams
+from kvrt.snapshot import Snapshot
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 8
+BRANCHES = [
+    Branch(" Summary:", GenerationParams(max_tokens=10), "summary"),
+    Branch(" The animal", GenerationParams(max_tokens=7), "animal"),
+    Branch(" Q?", GenerationParams(max_tokens=12), "q"),
+]
+
+
+def recompute(model: Model, document: str, branch: Branch) -> list[int]:
+    """Greedy tokens of document + prompt generated in a fresh context: the reference."""
+    with Context(model, n_ctx=512) as ctx:
+        prefill(ctx, model.tokenize(document), logits_last=False)
+        tokens = model.tokenize(branch.prompt, add_special=False)
+        return generate(ctx, tokens, branch.params).tokens
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model: Model) -> list[list[int]]:
+    return [recompute(tiny_model, TEXT, b) for b in BRANCHES]
+
+
+@pytest.fixture(scope="module")
+def isolated(tiny_model: Model):
+    return fanout(tiny_model, TEXT, BRANCHES, mode="isolated")
+
+
+def test_isolated_branches_equal_full_recompute(tiny_model, isolated, references):
+    assert isolated.mode == "isolated"
+    assert [b.completion.tokens for b in isolated.branches] == references
+    assert [b.name for b in isolated.branches] == ["summary", "animal", "q"]
+    assert isolated.doc_tokens == len(tiny_model.tokenize(TEXT))
+
+
+def test_isolated_branch_logits_are_bit_identical_to_recompute(tiny_model):
+    """Prompt after a restored snapshot vs. document then prompt recomputed in a fresh context.
+
+    The recompute decodes the same chunks (document, then prompt): llama.cpp's logits depend
+    on how tokens are split into ubatches (up to 1e-2 here with an F16 KV cache), so a
+    one-shot prefill of document + prompt is a different computation, not a reference.
+    """
+    doc = tiny_model.tokenize(TEXT)
+    prompt = tiny_model.tokenize(BRANCHES[0].prompt, add_special=False)
+    with Context(tiny_model, n_ctx=512) as ctx:
+        prefill(ctx, doc, logits_last=False)
+        reference = ctx.logits(prefill(ctx, prompt))
+    with ContextPool(tiny_model, ContextParams(n_ctx=512)) as pool:
+        with pool.lease() as ctx:
+            prefill(ctx, doc, logits_last=False)
+            snap = Snapshot.capture(ctx, tokens=doc)
+        with snap, pool.lease() as ctx:
+            snap.restore(ctx)
+            got = ctx.logits(prefill(ctx, prompt))
+    np.testing.assert_array_equal(got, reference)
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "batched"])
+def test_shared_greedy_outputs_equal_isolated(tiny_model, isolated, exact):
+    shared = fanout(tiny_model, TEXT, BRANCHES, mode="shared", exact=exact)
+    assert (shared.mode, shared.exact) == ("shared", exact)
+    assert [b.text for b in shared.branches] == isolated.texts
+    assert [b.completion.tokens for b in shared.branches] == [b.completion.tokens for b in isolated.branches]
+
+
+def test_shared_batch_logits_within_float_tolerance_of_isolated(tiny_model):
+    """Several branches in one llama_decode may use other kernels: equal within float noise, not bitwise."""
+    doc = tiny_model.tokenize(TEXT)
+    prompts = [tiny_model.tokenize(b.prompt, add_special=False) for b in BRANCHES]
+    alone = []
+    for prompt in prompts:
+        with Context(tiny_model, n_ctx=512) as ctx:
+            prefill(ctx, doc, logits_last=False)
+            alone.append(ctx.logits(prefill(ctx, prompt)))
+    with Context(tiny_model, n_ctx=1024, n_seq_max=len(prompts), kv_unified=True) as ctx, Batch(512) as batch:
+        prefill(ctx, doc, logits_last=False)
+        for seq in range(1, len(prompts)):
+            ctx.seq_cp(0, seq)
+        rows = [batch.add_sequence(p, len(doc), seq) for seq, p in enumerate(prompts)]
+        ctx.decode(batch)
+        together = [ctx.logits(row) for row in rows]
+    for a, b in zip(alone, together):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
+        assert int(np.argmax(a)) == int(np.argmax(b))
+
+
+def test_auto_mode_says_what_it_chose(tiny_model):
+    many = fanout(tiny_model, TEXT, BRANCHES[:2])
+    assert many.mode == "shared" and many.reason.startswith("auto:")
+    one = fanout(tiny_model, TEXT, BRANCHES[:1])
+    assert one.mode == "isolated" and "one branch" in one.reason
+
+
+def test_stop_strings_and_per_branch_seeds(tiny_model, isolated):
+    text = isolated.branches[2].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip()
+    cut = fanout(tiny_model, TEXT, [Branch(BRANCHES[2].prompt, GenerationParams(max_tokens=12, stop=(stop,)))],
+                 mode="isolated").branches[0]
+    assert cut.completion.finish_reason == "stop"
+    assert cut.text == text[:text.find(stop)]
+
+    def sampled(seed: int, mode: str) -> list[list[int]]:
+        params = GenerationParams(max_tokens=8, sampling=SamplingParams(temperature=0.9, seed=seed))
+        result = fanout(tiny_model, TEXT, [Branch(" A", params), Branch(" B", params)], mode=mode, exact=True)
+        return [b.completion.tokens for b in result.branches]
+
+    assert sampled(7, "isolated") == sampled(7, "isolated") == sampled(7, "shared")
+
+
+def test_isolated_mode_reuses_pooled_contexts(tiny_model):
+    with ContextPool(tiny_model, ContextParams(n_ctx=512)) as pool:
+        fanout(tiny_model, TEXT, BRANCHES, mode="isolated", pool=pool)
+        fanout(tiny_model, TEXT, BRANCHES, mode="isolated", pool=pool)
+        assert pool.created == 1  # prefill and all six branches ran on one context, leased in turn
+        assert pool.reused == 7
+
+
+def test_budget_and_argument_errors_name_the_numbers(tiny_model):
+    with ContextPool(tiny_model, ContextParams(n_ctx=256)) as pool:
+        long_text = TEXT * 3
+        with pytest.raises(FanoutError, match=r"pool's sequences have 256 cells; document \(\d+\) \+ longest branch"):
+            fanout(tiny_model, long_text, BRANCHES, mode="isolated", pool=pool)
+        assert pool.created == 0  # refused before any context was made
+    with pytest.raises(FanoutError, match="at least one branch"):
+        fanout(tiny_model, TEXT, [])
+    with pytest.raises(FanoutError, match="unknown fan-out mode"):
+        fanout(tiny_model, TEXT, BRANCHES, mode="parallel")  # type: ignore[arg-type]
+    with pytest.raises(FanoutError, match="empty prompt"):
+        fanout(tiny_model, TEXT, [Branch("")])
+
+
+def test_demo_model_shared_exact_matches_isolated(demo_model):
+    """Gemma 3 (iSWA cache, Q4_K_M): prefix sharing by seq_cp gives the same greedy text as restoring."""
+    text = "Licensing terms: you may use, copy and modify the software, but you must keep this notice. " * 4
+    branches = [Branch(" Summary:", GenerationParams(max_tokens=6)), Branch(" Obligations:", GenerationParams(max_tokens=6))]
+    isolated = fanout(demo_model, text, branches, mode="isolated")
+    shared = fanout(demo_model, text, branches, mode="shared", exact=True)
+    assert [b.completion.tokens for b in shared.branches] == [b.completion.tokens for b in isolated.branches]
