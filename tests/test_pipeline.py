@@ -1,0 +1,145 @@
+"""The DAG pipeline: outputs against recompute, validation before allocation, failures, watermark start."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import kvrt.pipeline
+from kvrt.context import Context
+from kvrt.errors import KvrtError
+from kvrt.generation import GenerationParams, generate, prefill
+from kvrt.model import Model
+from kvrt.pipeline import BudgetError, CycleError, DependencyFailed, NodeFailed, Pipeline, PipelineError
+
+TEXT = "The quick brown fox jumps over the lazy dog. " * 12
+SHORT = GenerationParams(max_tokens=6)
+
+
+def recompute(model: Model, doc: list[int], prompt: str, params: GenerationParams) -> list[int]:
+    with Context(model, n_ctx=1024, n_batch=16, n_ubatch=16) as ctx:
+        prefill(ctx, doc, logits_last=False)
+        return generate(ctx, model.tokenize(prompt, add_special=False), params).tokens
+
+
+def test_branches_and_functions_produce_recomputed_outputs_with_timings(tiny_model):
+    doc = tiny_model.tokenize(TEXT)
+    pipe = Pipeline(tiny_model, n_ctx=1024, n_batch=16)
+    pipe.document("doc", TEXT)
+    pipe.branch("overview", " Summary:", after="doc", params=SHORT)
+    pipe.branch("obligations", " Rules:", after="doc", params=SHORT)
+    pipe.node("report", lambda out: (out["overview"].text, out["obligations"].text), deps=["overview", "obligations"])
+    progress: list[tuple[str, int, int]] = []
+    result = pipe.run(progress=lambda *event: progress.append(event))
+    assert result.ok
+    assert result.outputs["doc"] == len(doc)
+    assert result.outputs["overview"].tokens == recompute(tiny_model, doc, " Summary:", SHORT)
+    assert result.outputs["obligations"].tokens == recompute(tiny_model, doc, " Rules:", SHORT)
+    assert result.outputs["report"] == (result.outputs["overview"].text, result.outputs["obligations"].text)
+    assert progress[-1] == ("doc", len(doc), len(doc)) and len(progress) >= len(doc) // 16
+    assert result.timings_ms["doc"]["prefill_ms"] > 0  # SwarmKV reported 0 here
+    for name in ("overview", "obligations"):
+        timing = result.timings_ms[name]
+        assert timing["activation_ms"] > 0 and timing["start_ms"] <= timing["end_ms"]
+
+
+@pytest.mark.parametrize("mark", [1, 37, 48])
+def test_watermark_branch_starts_before_the_prefill_ends(tiny_model, mark):
+    """A branch needing K tokens completes while the rest of the document is still being prefilled,
+    at any K (37 is not a multiple of n_batch=16), and sees exactly the first K tokens."""
+    doc = tiny_model.tokenize(TEXT)
+    branch_done = threading.Event()
+    waited = []
+
+    def progress(_name: str, done: int, _total: int) -> None:
+        if done > mark and not waited:  # hold the prefill after the watermark until the branch finishes
+            waited.append(branch_done.wait(timeout=60))
+
+    pipe = Pipeline(tiny_model, n_ctx=1024, n_batch=16)
+    pipe.document("doc", doc)
+    pipe.branch("early", " Q:", after="doc", params=SHORT, need_tokens=mark)
+    pipe.node("signal", lambda out: branch_done.set(), deps=["early"])
+    pipe.branch("late", " Q:", after="doc", params=SHORT)
+    result = pipe.run(progress=progress)
+    assert waited == [True]
+    assert result.outputs["early"].tokens == recompute(tiny_model, doc[:mark], " Q:", SHORT)
+    assert result.outputs["late"].tokens == recompute(tiny_model, doc, " Q:", SHORT)
+    assert set(result.timings_ms["doc"]["watermark_ms"]) == {mark, len(doc)}
+
+
+def test_cycle_is_refused_naming_the_edge(tiny_model):
+    pipe = Pipeline(tiny_model)
+    pipe.node("a", lambda out: 1, deps=["c"])
+    pipe.node("b", lambda out: 1, deps=["a"])
+    pipe.node("c", lambda out: 1, deps=["b"])
+    with pytest.raises(CycleError, match="closes a cycle") as info:
+        pipe.run()
+    assert info.value.edge == ("b", "a")  # b depends on a, found while walking a -> c -> b
+    assert info.value.cycle == ["a", "c", "b", "a"]
+
+
+def test_malformed_graphs_are_refused(tiny_model):
+    pipe = Pipeline(tiny_model)
+    pipe.node("a", lambda out: 1, deps=["missing"])
+    with pytest.raises(PipelineError, match="'a' depends on 'missing', which does not exist"):
+        pipe.run()
+    pipe = Pipeline(tiny_model)
+    pipe.node("f", lambda out: 1)
+    pipe.branch("b", "x", after="f")
+    with pytest.raises(PipelineError, match="must follow a document"):
+        pipe.run()
+    with pytest.raises(PipelineError, match="already exists"):
+        pipe.node("f", lambda out: 2)
+    with pytest.raises(PipelineError, match="need_tokens must be positive"):
+        pipe.branch("c", "x", after="f", need_tokens=0)
+
+
+def test_budget_is_checked_before_any_allocation(tiny_model, monkeypatch):
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("a context pool was created before the budget check")
+
+    monkeypatch.setattr(kvrt.pipeline, "ContextPool", no_allocation)
+    doc = tiny_model.tokenize(TEXT)
+    pipe = Pipeline(tiny_model, n_ctx=512)
+    pipe.document("doc", doc)
+    pipe.branch("big", " Summary:", after="doc", params=GenerationParams(max_tokens=200))
+    prompt = len(tiny_model.tokenize(" Summary:", add_special=False))
+    expected = rf"prefix {len(doc)} \+ prompt {prompt} \+ max_tokens 200 = {len(doc) + prompt + 200} tokens > n_ctx=512"
+    with pytest.raises(BudgetError, match=expected):
+        pipe.run()
+    small = Pipeline(tiny_model, n_ctx=256)
+    small.document("doc", doc)
+    with pytest.raises(BudgetError, match=rf"document 'doc' has {len(doc)} tokens > n_ctx=256"):
+        small.run()
+    pipe = Pipeline(tiny_model, n_ctx=1024)
+    pipe.document("doc", doc)
+    pipe.branch("greedy", " Q:", after="doc", need_tokens=len(doc) + 1)
+    with pytest.raises(BudgetError, match=rf"first {len(doc) + 1} tokens of 'doc', which has only {len(doc)}"):
+        pipe.run()
+
+
+def test_failures_propagate_to_dependents_and_spare_the_rest(tiny_model):
+    doc = tiny_model.tokenize(TEXT)
+    pipe = Pipeline(tiny_model, n_ctx=1024, n_batch=16)
+    pipe.document("good", doc)
+    pipe.document("bad", doc[:20] + [tiny_model.n_vocab + 5])  # fails inside the prefill
+    pipe.branch("fine", " Q:", after="good", params=SHORT)
+    pipe.branch("orphan", " Q:", after="bad", params=SHORT)
+    pipe.node("crash", lambda out: 1 / 0, deps=["fine"])
+    pipe.node("downstream", lambda out: "never", deps=["crash"])
+    pipe.node("sibling", lambda out: out["fine"].text.upper(), deps=["fine"])
+    with pytest.raises(NodeFailed) as info:
+        pipe.run()
+    result = info.value.result
+    assert set(result.errors) == {"bad", "orphan", "crash", "downstream"}
+    assert isinstance(result.errors["bad"], KvrtError) and "outside the vocabulary" in str(result.errors["bad"])
+    assert isinstance(result.errors["orphan"], DependencyFailed)
+    assert result.errors["orphan"].__cause__ is result.errors["bad"]
+    assert isinstance(result.errors["crash"], ZeroDivisionError)
+    assert isinstance(result.errors["downstream"], DependencyFailed)
+    assert "'crash' failed: ZeroDivisionError" in str(result.errors["downstream"])
+    assert result.outputs["fine"].tokens == recompute(tiny_model, doc, " Q:", SHORT)  # nothing else corrupted
+    assert result.outputs["sibling"] == result.outputs["fine"].text.upper()
+    again = pipe.run(raise_errors=False)  # the pipeline can run again and returns the same verdicts
+    assert set(again.errors) == set(result.errors) and again.outputs["fine"].tokens == result.outputs["fine"].tokens
