@@ -34,6 +34,18 @@ def _device(array: Any) -> Any:
     return cuda.from_cuda_array_interface(interface, owner=array, sync=False)
 
 
+_external: dict[int, Any] = {}
+
+
+def external_stream(ptr: int) -> Any:
+    """Numba's handle for a CUDA stream created elsewhere (CuPy's), cached per pointer; 0 is the default stream."""
+    if ptr == 0:
+        return 0
+    if ptr not in _external:
+        _external[ptr] = cuda.external_stream(ptr)
+    return _external[ptr]
+
+
 def _grid(n: int) -> int:
     return max(1, min(math.ceil(n / THREADS), MAX_BLOCKS))
 

@@ -122,21 +122,12 @@ class KernelOps(ArrayOps):
     GEMMs of the same layer on the streamer's compute stream.
     """
 
-    def __init__(self, xp: ModuleType, act: Any = np.float16) -> None:
-        super().__init__(xp, act)
-        self._streams: dict[int, Any] = {}
-
     def _stream(self) -> Any:
         if self.xp is np:
             return 0
-        from numba import cuda  # noqa: PLC0415
+        from kvrt.kernels.layer import external_stream  # noqa: PLC0415
 
-        ptr = self.xp.cuda.get_current_stream().ptr
-        if ptr == 0:
-            return 0
-        if ptr not in self._streams:
-            self._streams[ptr] = cuda.external_stream(ptr)
-        return self._streams[ptr]
+        return external_stream(self.xp.cuda.get_current_stream().ptr)
 
     def rms_norm(self, x: Any, weight: Any, eps: float) -> Any:
         from kvrt.kernels import layer as kl  # noqa: PLC0415
