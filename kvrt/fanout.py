@@ -188,7 +188,7 @@ def _choose_mode(mode: Mode, n: int, shared_cells: int, limit: int) -> tuple[str
     if mode == "shared":
         if not fits:
             raise FanoutError(f"shared mode needs {shared_cells} cells for {n} branches in one context; the model "
-                              f"allows {limit} (n_ctx_train) and llama.cpp at most {LLAMA_MAX_SEQ} sequences")
+                              f"allows {limit} (max_ctx) and llama.cpp at most {LLAMA_MAX_SEQ} sequences")
         return mode, "requested"
     if mode != "auto":
         raise FanoutError(f"unknown fan-out mode {mode!r}; choose auto, isolated or shared")
@@ -201,10 +201,12 @@ def _choose_mode(mode: Mode, n: int, shared_cells: int, limit: int) -> tuple[str
 
 def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branch | str], *,
            mode: Mode = "auto", exact: bool = False, n_batch: int = 512, n_threads: int | None = None,
-           pool: ContextPool | None = None, host_pool: HostPool | None = None,
+           max_ctx: int | None = None, pool: ContextPool | None = None, host_pool: HostPool | None = None,
            progress: ProgressFn | None = None) -> FanoutResult:
     """Prefill ``document`` once and generate every branch after it (see the module docstring).
 
+    ``max_ctx`` caps the cells of a shared context (default: the model's training
+    context; more works but stretches RoPE past what the model was trained on).
     ``pool`` lets repeated isolated fan-outs reuse contexts; its parameters must leave
     each sequence room for document + longest branch. Budgets are checked before any
     context is created.
@@ -218,7 +220,7 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
         raise FanoutError("the shared document is empty")
     needs = [branch_budget(model, b)[1] for b in items]
     shared_cells = len(doc) + sum(needs)
-    chosen, reason = _choose_mode(mode, len(items), shared_cells, model.n_ctx_train)
+    chosen, reason = _choose_mode(mode, len(items), shared_cells, max_ctx or model.n_ctx_train)
     if chosen == "shared":
         params = ContextParams(n_ctx=_align(shared_cells), n_batch=n_batch, n_ubatch=min(n_batch, 512),
                                n_seq_max=len(items), kv_unified=True, n_threads=n_threads)

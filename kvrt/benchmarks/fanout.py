@@ -1,0 +1,283 @@
+"""Fan-out benchmark: the SwarmKV table (seed 000) side by side with its baseline, then an N x length sweep.
+
+Headline: a document of ``--doc-tokens`` (3501) tokens made by repeating "The quick
+brown fox jumps over the lazy dog.", two branches. Baseline = for each branch a fresh
+context that prefills the whole document and then decodes the branch (SwarmKV's
+baseline). kvrt = one prefill, then the branches in ``isolated`` mode (snapshot restored
+into pooled contexts) and in ``shared`` mode (seq_cp, one batch per step). Metrics per
+trial: End_To_End_Ms, Branch2_Activation_Ms (branch-specific work after the shared
+prefill: baseline = fresh context + redundant prefill + prompt + first token; kvrt =
+lease/fork + restore + prompt + first token), Redundant_Prefill_Eliminated_Ms and the
+ratios. The best of ``--trials`` by 2*TTFT_pct + E2E_pct goes to best_run.json; every
+trial to all_trials.csv; plots to plots/*.png.
+
+Sweep: N branches x document length, both modes. The baseline of N fresh prefills is
+measured for ``min(N, --baseline-branches)`` branches and scaled by N (the CSV says how
+many were measured), because 50 full prefills of 32k tokens alone exceed the time budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kvrt.context import Context, ContextParams
+from kvrt.contextpool import ContextPool
+from kvrt.fanout import Branch, FanoutResult, fanout
+from kvrt.generation import GenerationParams, generate, prefill
+from kvrt.model import Model
+
+HELP = "SwarmKV's two-branch table (baseline vs isolated vs shared) and the N x document sweep"
+SENTENCE = "The quick brown fox jumps over the lazy dog. "
+QUESTIONS = (" Question: which animal jumps? Answer:", " Question: what is the dog like? Answer:")
+MODES = ("isolated", "shared")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="GGUF to benchmark (default: the demo model)")
+    parser.add_argument("--doc-tokens", type=int, default=3501, help="headline document length in tokens")
+    parser.add_argument("--max-tokens", type=int, default=6, help="tokens each branch generates")
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--sweep-n", default="1,2,8,32,50", help="comma-separated branch counts ('' skips)")
+    parser.add_argument("--sweep-docs", default="512,3501,32000", help="comma-separated document lengths")
+    parser.add_argument("--sweep-modes", default="isolated,shared")
+    parser.add_argument("--baseline-branches", type=int, default=2,
+                        help="fresh-context branches actually measured per sweep point (scaled to N)")
+    parser.add_argument("--n-gpu-layers", type=int, default=-1)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--n-batch", type=int, default=512)
+    parser.add_argument("--skip-headline", action="store_true")
+
+
+def fox_document(model: Model, n_tokens: int) -> list[int]:
+    """Exactly ``n_tokens`` token ids: BOS (if the model adds one) + the fox sentence repeated."""
+    sentence = model.tokenize(SENTENCE, add_special=False)
+    head = model.tokenize("", add_special=True)
+    repeats = -(-max(n_tokens - len(head), 1) // len(sentence))
+    return (head + sentence * repeats)[:n_tokens]
+
+
+def _progress(label: str):
+    def report(done: int, total: int) -> None:
+        print(f"\r  {label}: prefill {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr,
+              flush=True)
+    return report
+
+
+@dataclass
+class Baseline:
+    end_to_end_ms: float
+    branch_ms: list[float]  # fresh context + prefill + branch, per branch
+    prefill_ms: list[float]
+    activation_ms: list[float]  # fresh context + prefill + prompt + first token
+    texts: list[str]
+
+
+def run_baseline(model: Model, doc: list[int], branches: list[Branch], params: ContextParams) -> Baseline:
+    """SwarmKV's baseline: each branch in a fresh context that prefills the whole document."""
+    t0 = time.perf_counter()
+    branch_ms, prefill_ms, activation_ms, texts = [], [], [], []
+    for branch in branches:
+        t_branch = time.perf_counter()
+        with Context(model, params) as ctx:
+            t_pre = time.perf_counter()
+            prefill(ctx, doc, logits_last=False)
+            t_doc = time.perf_counter()
+            done = generate(ctx, model.tokenize(branch.prompt, add_special=False), branch.params)
+        end = time.perf_counter()
+        prefill_ms.append((t_doc - t_pre) * 1e3)
+        activation_ms.append((t_doc - t_branch) * 1e3 + done.timings_ms["first_token_ms"])
+        branch_ms.append((end - t_branch) * 1e3)
+        texts.append(done.text)
+    return Baseline((time.perf_counter() - t0) * 1e3, branch_ms, prefill_ms, activation_ms, texts)
+
+
+def _pct(baseline: float, kvrt: float) -> float:
+    return (1.0 - kvrt / baseline) * 100.0 if baseline > 0 else 0.0
+
+
+def headline_row(trial: int, base: Baseline, run: FanoutResult) -> dict[str, Any]:
+    b2 = run.branches[1]
+    row = {
+        "Trial": trial, "Mode": run.mode, "Exact": run.exact, "Doc_Tokens": run.doc_tokens,
+        "Baseline_End_To_End_Ms": base.end_to_end_ms, "Kvrt_End_To_End_Ms": run.total_ms,
+        "Baseline_Branch2_Activation_Ms": base.activation_ms[1], "Kvrt_Branch2_Activation_Ms": b2.activation_ms,
+        "Kvrt_Prefill_Ms": run.prefill_ms, "Kvrt_Fork_Ms": run.fork_ms,
+        "Redundant_Prefill_Eliminated_Ms": sum(base.prefill_ms[1:]),
+    }
+    row["E2E_Pct"] = _pct(row["Baseline_End_To_End_Ms"], row["Kvrt_End_To_End_Ms"])
+    row["TTFT_Pct"] = _pct(row["Baseline_Branch2_Activation_Ms"], row["Kvrt_Branch2_Activation_Ms"])
+    row["E2E_Speedup"] = row["Baseline_End_To_End_Ms"] / row["Kvrt_End_To_End_Ms"]
+    row["Branch2_Activation_Speedup"] = row["Baseline_Branch2_Activation_Ms"] / row["Kvrt_Branch2_Activation_Ms"]
+    row["Score"] = 2 * row["TTFT_Pct"] + row["E2E_Pct"]
+    row["Texts_Match_Baseline"] = [b.text for b in run.branches] == base.texts
+    return row
+
+
+def headline(model: Model, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+    doc = fox_document(model, args.doc_tokens)
+    branches = [Branch(q, GenerationParams(max_tokens=args.max_tokens), f"agent{i + 1}")
+                for i, q in enumerate(QUESTIONS)]
+    need = len(doc) + max(len(model.tokenize(b.prompt, add_special=False)) for b in branches) + args.max_tokens
+    params = ContextParams(n_ctx=-(-need // 256) * 256, n_batch=args.n_batch, n_ubatch=min(args.n_batch, 512),
+                           n_threads=args.threads)
+    rows: list[dict[str, Any]] = []
+    with ContextPool(model, params, max_idle=2) as pool:
+        pool.warm(1)  # a serving process keeps its contexts; the baseline pays for fresh ones
+        for trial in range(1, args.trials + 1):
+            print(f"headline trial {trial}/{args.trials} ({len(doc)}-token document)", file=sys.stderr)
+            base = run_baseline(model, doc, branches, params)
+            for mode in MODES:
+                run = fanout(model, doc, branches, mode=mode, pool=pool if mode == "isolated" else None,
+                             n_batch=args.n_batch, n_threads=args.threads, progress=_progress(mode))
+                rows.append(headline_row(trial, base, run))
+                r = rows[-1]
+                print(f"  {mode:8s} e2e {r['Kvrt_End_To_End_Ms']:.0f} ms vs {r['Baseline_End_To_End_Ms']:.0f} ms "
+                      f"({r['E2E_Speedup']:.2f}x); branch-2 activation {r['Kvrt_Branch2_Activation_Ms']:.1f} ms vs "
+                      f"{r['Baseline_Branch2_Activation_Ms']:.0f} ms ({r['Branch2_Activation_Speedup']:.1f}x)",
+                      file=sys.stderr)
+    _write_csv(out / "all_trials.csv", rows)
+    best = {mode: max((r for r in rows if r["Mode"] == mode), key=lambda r: r["Score"]) for mode in MODES}
+    (out / "best_run.json").write_text(json.dumps({"machine": _machine(model), "selection": "2*TTFT_Pct + E2E_Pct",
+                                                   "best": best}, indent=2, default=str))
+    _plot_headline(best, out / "plots")
+    return rows
+
+
+def sweep(model: Model, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+    ns = [int(x) for x in args.sweep_n.split(",") if x.strip()]
+    lengths = [int(x) for x in args.sweep_docs.split(",") if x.strip()]
+    modes = [m for m in args.sweep_modes.split(",") if m.strip()]
+    rows: list[dict[str, Any]] = []
+    for length in lengths:
+        doc = fox_document(model, length)
+        params = ContextParams(n_ctx=-(-(length + 64 + args.max_tokens) // 256) * 256, n_batch=args.n_batch,
+                               n_ubatch=min(args.n_batch, 512), n_threads=args.threads)
+        one = [Branch(QUESTIONS[i % 2], GenerationParams(max_tokens=args.max_tokens)) for i in range(max(ns))]
+        measured = min(args.baseline_branches, max(ns))
+        print(f"sweep: baseline, {measured} fresh branch(es) on a {length}-token document", file=sys.stderr)
+        base = run_baseline(model, doc, one[:measured], params)
+        per_branch = sum(base.branch_ms) / measured
+        with ContextPool(model, params, max_idle=1) as pool:
+            pool.warm(1)
+            for n in ns:
+                for mode in modes:
+                    print(f"sweep: N={n} doc={length} {mode}", file=sys.stderr)
+                    run = fanout(model, doc, one[:n], mode=mode, pool=pool if mode == "isolated" else None,
+                                 max_ctx=length + n * (64 + args.max_tokens) + 256, n_batch=args.n_batch,
+                                 n_threads=args.threads, progress=_progress(f"N={n} {mode}"))
+                    baseline_ms = per_branch * n
+                    rows.append({
+                        "N": n, "Doc_Tokens": length, "Mode": run.mode, "Kvrt_End_To_End_Ms": run.total_ms,
+                        "Kvrt_Prefill_Ms": run.prefill_ms, "Kvrt_Fork_Ms": run.fork_ms,
+                        "Fork_Ms_Per_Branch": run.fork_ms / max(n - 1, 1) if run.mode == "shared" else run.fork_ms,
+                        "Mean_Activation_Ms": sum(b.activation_ms for b in run.branches) / n,
+                        "Baseline_End_To_End_Ms": baseline_ms, "Baseline_Measured_Branches": measured,
+                        "E2E_Speedup": baseline_ms / run.total_ms,
+                    })
+                    r = rows[-1]
+                    print(f"  e2e {r['Kvrt_End_To_End_Ms']:.0f} ms vs baseline {baseline_ms:.0f} ms "
+                          f"({r['E2E_Speedup']:.1f}x), fork/branch {r['Fork_Ms_Per_Branch']:.3f} ms", file=sys.stderr)
+    _write_csv(out / "sweep.csv", rows)
+    _plot_sweep(rows, out / "plots")
+    return rows
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def _machine(model: Model) -> dict[str, Any]:
+    return {"python": platform.python_version(), "machine": platform.machine(), "node": platform.node(),
+            "model": model.path.name, "model_desc": model.description,
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def _plot_headline(best: dict[str, dict[str, Any]], folder: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    any_row = next(iter(best.values()))
+    labels = ["baseline"] + list(best)
+    for metric, title in (("End_To_End_Ms", "End-to-end"), ("Branch2_Activation_Ms", "Branch-2 activation")):
+        values = [any_row[f"Baseline_{metric}"]] + [best[m][f"Kvrt_{metric}"] for m in best]
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        ax.bar(labels, values, color=["#999999", "#1f77b4", "#2ca02c"][:len(values)])
+        ax.set_ylabel("ms")
+        ax.set_title(f"{title}, {any_row['Doc_Tokens']}-token document, 2 branches")
+        for i, v in enumerate(values):
+            ax.annotate(f"{v:.1f}", (i, v), ha="center", va="bottom")
+        fig.tight_layout()
+        fig.savefig(folder / f"{metric.lower()}.png", dpi=120)
+        plt.close(fig)
+
+
+def _plot_sweep(rows: list[dict[str, Any]], folder: Path) -> None:
+    if not rows:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for metric, ylabel, name in (("E2E_Speedup", "speed-up vs N fresh prefills", "sweep_speedup.png"),
+                                 ("Fork_Ms_Per_Branch", "fork / snapshot ms per branch", "sweep_fork_ms.png")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for mode in sorted({r["Mode"] for r in rows}):
+            for length in sorted({r["Doc_Tokens"] for r in rows}):
+                pts = [(r["N"], r[metric]) for r in rows if r["Mode"] == mode and r["Doc_Tokens"] == length]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"{mode}, {length} tok")
+        ax.set_xlabel("branches N")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=120)
+        plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvrt.demo_model import demo_model_path
+
+    out = Path(args.out) / "fanout"
+    out.mkdir(parents=True, exist_ok=True)
+    with Model(args.model or demo_model_path(), n_gpu_layers=args.n_gpu_layers) as model:
+        print(f"model: {model.description} ({model.path.name})", file=sys.stderr)
+        if not args.skip_headline:
+            rows = headline(model, args, out)
+            print(format_table(rows))
+        if args.sweep_n.strip() and args.sweep_docs.strip():
+            sweep(model, args, out)
+    print(f"results in {out}")
+    return 0
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The best trial of each mode as the seed's side-by-side table."""
+    best = {m: max((r for r in rows if r["Mode"] == m), key=lambda r: r["Score"]) for m in {r["Mode"] for r in rows}}
+    first = next(iter(best.values()))
+    lines = [f"| metric | baseline | {' | '.join(best)} |", "|---|---|" + "---|" * len(best)]
+    for label, key in (("End_To_End_Ms", "End_To_End_Ms"), ("Branch2_Activation_Ms", "Branch2_Activation_Ms")):
+        lines.append(f"| {label} | {first[f'Baseline_{key}']:.1f} | "
+                     + " | ".join(f"{best[m][f'Kvrt_{key}']:.1f}" for m in best) + " |")
+    for label in ("Kvrt_Prefill_Ms", "Redundant_Prefill_Eliminated_Ms", "E2E_Pct", "TTFT_Pct", "E2E_Speedup",
+                  "Branch2_Activation_Speedup"):
+        lines.append(f"| {label} | | " + " | ".join(f"{best[m][label]:.2f}" for m in best) + " |")
+    return "\n".join(lines)
