@@ -149,9 +149,9 @@ class Snapshot:
             raise SnapshotError(f"{len(tokens)} token ids given but sequence {seq_id} holds {n_tokens} tokens")
         common = dict(fingerprint=ctx.model.fingerprint, layout=StateLayout.of(ctx), n_tokens=n_tokens,
                       tokens_hash=token_hash(tokens) if tokens is not None else None, source_seq=seq_id)
-        if tier == "device":
-            return cls._capture_device(ctx, seq_id, common)
         pool = pool or default_pool()
+        if tier == "device":
+            return cls._capture_device(ctx, seq_id, pool, common)
         size = ctx.seq_state_size(seq_id)
         buffer = pool.acquire(size)
         try:
@@ -171,9 +171,9 @@ class Snapshot:
         return snapshot
 
     @classmethod
-    def _capture_device(cls, ctx: Context, seq_id: int, common: dict[str, Any]) -> Snapshot:
+    def _capture_device(cls, ctx: Context, seq_id: int, pool: HostPool, common: dict[str, Any]) -> Snapshot:
         size = ctx.seq_state_size(seq_id, STATE_SEQ_FLAGS_ON_DEVICE)
-        buffer = default_pool().acquire(size)
+        buffer = pool.acquire(size)
         try:
             written = ctx.seq_state_get(seq_id, buffer.view, STATE_SEQ_FLAGS_ON_DEVICE)
         except BaseException:
