@@ -71,7 +71,7 @@ class LayerStreamer:
         self.config = config
         self._cp = cp
         self._pinned = cp.cuda.alloc_pinned_memory(config.pool_bytes)
-        self._host = np.frombuffer(self._pinned, dtype=np.uint8, count=config.pool_bytes)
+        self._host = np.ndarray((config.pool_bytes,), dtype=np.uint8, buffer=self._pinned)
         self._slots = [cp.empty(config.slot_bytes, dtype=cp.uint8) for _ in range(N_SLOTS)]
         self._streams = {s: cp.cuda.Stream(non_blocking=True) for s in Stream}
         self._events = {name: [cp.cuda.Event() for _ in range(config.n_layers)] for name in EVENTS}

@@ -151,3 +151,93 @@ def test_headline_has_the_seeds_exact_format() -> None:
     r = report(times([2.0], [1.0], 3.0), times([2.0], [1.0], 2.5), times([2.0], [0.0], 2.0), [1 << 20])
     assert r.headline() == "HEADLINE: serial=3.00 ms, overlapped=2.50 ms, savings=16.67%, speedup=1.200x"
     assert "ideal=1.500x" in r.detail() and "efficiency=0.800" in r.detail()
+
+
+# --- on the GPU -----------------------------------------------------------------------------------
+
+def fma_expected(layers: list[np.ndarray], iters: int) -> np.ndarray:
+    """float64 sum over layers of the FMA chain seeded by each float32 weight."""
+    from kvrt.kernels.layer import FMA_DECAY
+
+    total = np.zeros(layers[0].size // 4)
+    for blob in layers:
+        w = blob.view(np.float32).astype(np.float64)
+        acc = w.copy()
+        for _ in range(iters):
+            acc = acc * float(FMA_DECAY) + w
+        total += acc
+    return total
+
+
+@pytest.fixture
+def fma_streamer():
+    """Six 4 MiB layers of random float32 in the pinned pool."""
+    from kvrt.streamer import LayerStreamer
+
+    streamer = LayerStreamer(StreamConfig.uniform(6, 4 << 20))
+    rng = np.random.default_rng()
+    for i in range(streamer.config.n_layers):
+        streamer.host_layer(i).view(np.float32)[:] = rng.uniform(-1, 1, (4 << 20) // 4)
+    yield streamer
+    streamer.close()
+
+
+def fma_pass(streamer, *, overlapped: bool, iters: int, poison: bool) -> np.ndarray:
+    import cupy as cp
+
+    from kvrt.streamwork import FmaWork
+
+    fma = FmaWork(cp, streamer.config.layer_bytes[0], iters)
+
+    def work(layer: int, slot) -> None:
+        fma(layer, slot)
+        if poison:  # on the compute stream, after the read: a copy that does not wait for it gets clobbered
+            slot.fill(0xFF)  # float32 NaN
+
+    fma.reset()
+    times = streamer.run(work, overlapped=overlapped)
+    assert len(times.transfer_ms) == len(times.compute_ms) == streamer.config.n_layers
+    return fma.result().get()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("poison", [False, True])
+def test_serial_and_overlapped_fma_passes_are_identical_and_right(fma_streamer, poison: bool) -> None:
+    layers = [fma_streamer.host_layer(i) for i in range(fma_streamer.config.n_layers)]
+    expected = fma_expected(layers, 24)
+    serial = fma_pass(fma_streamer, overlapped=False, iters=24, poison=poison)
+    for _ in range(3):  # the same pinned pool and slots, pass after pass
+        overlapped = fma_pass(fma_streamer, overlapped=True, iters=24, poison=poison)
+        np.testing.assert_array_equal(overlapped, serial)
+    np.testing.assert_allclose(serial, expected, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.gpu
+def test_real_layers_streamed_match_numpy_float32() -> None:
+    import cupy as cp
+
+    from kvrt.layer import ArrayOps, LayerShape, fill_random, forward, rope_tables, weights
+    from kvrt.streamer import LayerStreamer
+    from kvrt.streamwork import LayerWork
+
+    shape = LayerShape(n_embd=256, n_head=4, n_head_kv=2, n_ff=512)
+    tokens, n_layers = 24, 4
+    with LayerStreamer(StreamConfig.uniform(n_layers, shape.nbytes)) as streamer:
+        for i in range(n_layers):
+            fill_random(streamer.host_layer(i), shape, seed=100 + i, xp=np)
+        work = LayerWork(cp, shape, tokens, seed=7, tile=10)
+        work.reset()
+        streamer.run(work, overlapped=False)
+        serial = work.result().get()
+        work.reset()
+        streamer.run(work, overlapped=True)
+        overlapped = work.result().get()
+        layers = [streamer.host_layer(i).copy() for i in range(n_layers)]
+        x = work.x0.get()
+    np.testing.assert_array_equal(overlapped, serial)
+    ops = ArrayOps(np, np.float32)
+    rope = rope_tables(ops, np.arange(tokens), shape)
+    for blob in layers:
+        x = forward(ops, x, weights(blob, shape), shape, rope)
+    scale = float(np.abs(x).max())
+    np.testing.assert_allclose(serial, x, rtol=3e-2, atol=3e-2 * scale)
