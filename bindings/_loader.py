@@ -8,6 +8,7 @@ the same copy of llama.cpp in the process and handles can be passed between them
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 import threading
@@ -86,6 +87,7 @@ def _check_layout(lib: Any) -> None:
 @cache
 def _open() -> tuple[Any, Any]:
     directory = library_dir()
+    numpy_first = "numpy" in sys.modules
     # ggml-base first: libllama's own dependency lookup then finds the copy already mapped.
     try:
         ffi.dlopen(str(directory / _shared_name("ggml-base")))
@@ -94,6 +96,11 @@ def _open() -> tuple[Any, Any]:
     except OSError as exc:
         raise LibraryError(f"cannot open llama.cpp libraries in {directory}: {exc}") from exc
     _check_layout(llama)
+    if numpy_first and llama.llama_supports_gpu_offload():
+        logging.getLogger("kvrt").warning(
+            "llama.cpp (a GPU build) was loaded after NumPy; on the H200 machine that order segfaulted "
+            "in model loading. Import kvrt before numpy (tools/probe_import_order.py checks a machine)."
+        )
     return llama, ggml_lib
 
 

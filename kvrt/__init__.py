@@ -11,6 +11,30 @@ from typing import Any
 
 __version__ = "0.1.0"
 
+
+def _preload_llama() -> None:
+    """Map llama.cpp before anything imports NumPy, where that is still possible.
+
+    On the H200 machine a CUDA build of llama.cpp segfaulted inside
+    ``llama_model_load_from_file`` whenever NumPy had been imported before the library
+    was loaded, and never when the library came first (``tools/probe_import_order.py``
+    shows both). So ``import kvrt`` opens the libraries at once; a failure here is left
+    for the first real use to report.
+    """
+    import sys
+
+    if "numpy" in sys.modules:
+        return
+    try:
+        from kvrt.bindings import _loader
+
+        _loader.llama()
+    except Exception:  # reported, with its reason, by the first call that needs llama.cpp
+        pass
+
+
+_preload_llama()
+
 _EXPORTS: dict[str, str] = {
     # foundation
     "Model": "kvrt.model",

@@ -34,7 +34,7 @@ build_llama() {
   fi
   rm -rf /tmp/llama-src && mkdir -p /tmp/llama-src && tar -C /tmp/llama-src -xzf .gpu-carry/llama-cpp-python.tar.gz
   local t0=$SECONDS
-  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF" \
+  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF ${LLAMA_CMAKE_EXTRA:-}" \
   CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) - 1 )) \
     python3 -m pip install --no-build-isolation --no-deps --no-compile --upgrade --target "$SITE" /tmp/llama-src \
     > "$RESULTS/llama-build.log" 2>&1 \
@@ -85,7 +85,7 @@ case "$phase" in
     build_llama ;;
 esac
 python3 tools/probe_import_order.py > "$RESULTS/import-order.log" 2>&1; note "import-order probe: $(tail -n 3 "$RESULTS/import-order.log" | tr '\n' ' ')"
-timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -m gpu -p no:cacheprovider --continue-on-collection-errors -q -rs ${GPU_TESTS:-tests bench} > "$RESULTS/pytest-gpu.log" 2>&1
+timeout "${PYTEST_TIMEOUT:-300}" python3 tools/pytest_llama_first.py -m gpu -p no:cacheprovider --continue-on-collection-errors -q -rs ${GPU_TESTS:-tests bench} > "$RESULTS/pytest-gpu.log" 2>&1
 note "pytest -m gpu: rc=$? $(tail -n 1 "$RESULTS/pytest-gpu.log")"
 [ -n "${SKIP_STEPS:-}" ] || run_steps late
 [ -z "${EXPORT_LLAMA:-}" ] || export_llama

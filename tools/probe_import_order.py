@@ -35,6 +35,10 @@ def main() -> int:
         print(f"{name:32s} rc={proc.returncode}")
         if proc.returncode != 0:
             print("   " + "\n   ".join(proc.stderr.strip().splitlines()[-12:]))
+    import numpy
+
+    blas = numpy.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
+    print(f"numpy {numpy.__version__} at {numpy.__file__}, blas: {blas.get('name')} {blas.get('version')}")
     print(f"import-order probe: {failures} of {len(VARIANTS)} variants failed")
     return 0
 
