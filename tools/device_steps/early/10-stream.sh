@@ -10,6 +10,7 @@
 #   4. real Qwen2.5-7B-shaped layers (466 MB fp16 each), 16 layers, prefill chunk B swept + balanced point
 # Output: $RESULTS/stream/<run>/stream-*.{json,csv,png}, one log per run, and a summary table at the end
 # (speedup, ideal (T+C)/max(T,C), the bound for these n layers, efficiency against both, H2D vs peak).
+# Time limits add up to 150 s (expected ~70 s); a run that hits its limit prints rc=124 and is skipped.
 set -uo pipefail
 OUT_DIR="${RESULTS:-/tmp/kvrt-results}/stream"
 mkdir -p "$OUT_DIR"
@@ -17,7 +18,7 @@ export PYTHONUNBUFFERED=1
 python3 -c "import cupy, numba, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numba', numba.__version__)"
 
 t0=$SECONDS
-timeout 60 python3 -m pytest -p no:cacheprovider -q -rs tests/test_kernels.py tests/test_streamer.py \
+timeout 35 python3 -m pytest -p no:cacheprovider -q -rs tests/test_kernels.py tests/test_streamer.py \
   tests/test_layer.py bench/bench_stream.py > "$OUT_DIR/pytest.log" 2>&1
 echo "pytest (kernels, streamer, layer, bench_stream): rc=$? in $((SECONDS - t0)) s: $(tail -n 1 "$OUT_DIR/pytest.log")"
 
@@ -27,11 +28,11 @@ bench() {  # name, timeout, args...
   timeout "$limit" python3 -m kvrt.cli bench stream --out "$OUT_DIR/$name" "$@" > "$OUT_DIR/$name.log" 2>&1
   echo "bench $name: rc=$? in $((SECONDS - t)) s: $(tail -n 1 "$OUT_DIR/$name.log")"
 }
-bench seed8 20                                    # seed defaults: --n-layers 8 --bytes-per-layer 67108864 --compute-iters 64
-bench seed16 20 --n-layers 16
-bench fma8 25 --n-layers 8 --sweep
-bench fma32 30 --n-layers 32 --sweep
-bench layer16 45 --mode layer --n-layers 16 --tokens 1024 --sweep
+bench seed8 15                                    # seed defaults: --n-layers 8 --bytes-per-layer 67108864 --compute-iters 64
+bench seed16 15 --n-layers 16
+bench fma8 20 --n-layers 8 --sweep
+bench fma32 25 --n-layers 32 --sweep
+bench layer16 40 --mode layer --n-layers 16 --tokens 1024 --sweep --sweep-values 256,2048,4096,8192
 
 python3 - "$OUT_DIR" <<'EOF'
 import json, sys
