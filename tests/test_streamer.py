@@ -127,6 +127,111 @@ def test_streamer_says_there_is_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
         LayerStreamer(StreamConfig.uniform(2, 1024))
 
 
+class _FakeCuda:
+    """A synchronous stand-in for the slice of CuPy the streamer calls, recording every call.
+
+    It proves the executor's wiring on any machine (the plan's ops in order on the right
+    streams, copies from the right pool offsets into the right slots, work called with
+    the compute stream current); GPU semantics are the GPU tests' job.
+    """
+
+    def __init__(self) -> None:
+        import ctypes
+        import types
+
+        self.log: list[tuple] = []
+        self.current = None
+        fake = self
+
+        class Pinned(bytearray):
+            @property
+            def ptr(self) -> int:
+                return ctypes.addressof((ctypes.c_char * len(self)).from_buffer(self))
+
+        class Slot(np.ndarray):
+            @property
+            def data(self):  # CuPy's MemoryPointer: .ptr
+                return types.SimpleNamespace(ptr=self.ctypes.data)
+
+        class Stream:
+            def __init__(self, non_blocking: bool = False) -> None:
+                assert non_blocking
+                self.ptr = 1000 + len(fake.streams)
+                fake.streams.append(self)
+
+            def wait_event(self, event) -> None:
+                fake.log.append(("wait", self.ptr, event.tag))
+
+            def __enter__(self):
+                fake.current = self
+
+            def __exit__(self, *exc) -> None:
+                fake.current = None
+
+        class Event:
+            def __init__(self) -> None:
+                self.tag = None
+
+            def record(self, stream) -> None:
+                fake.log.append(("record", stream.ptr, self.tag))
+
+            def synchronize(self) -> None:
+                fake.log.append(("host-wait", self.tag))
+
+        def memcpy(dst: int, src: int, nbytes: int, kind: int, stream: int) -> None:
+            assert kind == 1
+            fake.log.append(("copy", stream, dst, src, nbytes))
+            ctypes.memmove(dst, src, nbytes)
+
+        self.streams: list = []
+        self.uint8 = np.uint8
+        self.empty = lambda n, dtype: np.zeros(n, dtype).view(Slot)
+        self.cuda = types.SimpleNamespace(
+            runtime=types.SimpleNamespace(getDeviceCount=lambda: 1, memGetInfo=lambda: (1 << 30, 1 << 30),
+                                          memcpyAsync=memcpy, memcpyHostToDevice=1,
+                                          CUDARuntimeError=RuntimeError),
+            alloc_pinned_memory=Pinned, Stream=Stream, Event=Event, get_elapsed_time=lambda a, b: 1.0,
+            Device=lambda: types.SimpleNamespace(synchronize=lambda: fake.log.append(("device-sync",))))
+
+
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_streamer_executes_its_plan_op_by_op(monkeypatch: pytest.MonkeyPatch, overlapped: bool) -> None:
+    from kvrt.streamer import LayerStreamer
+    from kvrt.streamplan import Stream
+
+    fake = _FakeCuda()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    config = StreamConfig((5000, 3, 4096, 7), slot_bytes=5000)
+    streamer = LayerStreamer(config)
+    for name, events in streamer._events.items():
+        for i, event in enumerate(events):
+            event.tag = (name, i)
+    for i in range(config.n_layers):
+        streamer.host_layer(i)[:] = np.arange(config.layer_bytes[i]) * (i + 1) % 251
+    seen = []
+
+    def work(layer: int, slot) -> None:
+        assert fake.current is streamer.compute_stream
+        seen.append(layer)
+        np.testing.assert_array_equal(slot, streamer.host_layer(layer))  # the copy landed (synchronously here)
+
+    times = streamer.run(work, overlapped=overlapped)
+    assert seen == list(range(config.n_layers))
+    assert times.total_ms == 1.0 and len(times.transfer_ms) == config.n_layers
+    ptr = {s: streamer._streams[s].ptr for s in Stream}
+    expected: list[tuple] = [("device-sync",)]
+    for op in plan(config.n_layers, overlapped=overlapped):
+        if op.kind is Kind.RECORD:
+            expected.append(("record", ptr[op.stream], (op.event, op.layer)))
+        elif op.kind is Kind.WAIT:
+            expected.append(("wait", ptr[op.stream], (op.event, op.layer)))
+        elif op.kind is Kind.COPY:
+            expected.append(("copy", ptr[Stream.TRANSFER], streamer.slot(op.slot).ctypes.data,
+                             streamer._pinned.ptr + config.offsets[op.layer], config.layer_bytes[op.layer]))
+    expected.append(("host-wait", ("compute_end", config.n_layers - 1)))
+    assert fake.log == expected  # and no other host wait anywhere in the pass
+
+
 def times(transfer: list[float], compute: list[float], total: float) -> RunTimes:
     return RunTimes(tuple(transfer), tuple(compute), total)
 
