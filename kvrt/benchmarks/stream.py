@@ -149,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
                 view.view(cp.float32)[...] = rng.standard_normal(view.size // 4, dtype=cp.float32)
 
         fill_pool(streamer, fill)
-        device = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"].decode()
+        name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+        device = name.decode() if isinstance(name, bytes) else str(name)
         print(f"{args.mode}: {args.n_layers} layers x {bytes_per_layer / 2**20:.1f} MiB pinned on {device} "
               f"(ready in {time.perf_counter() - t0:.1f} s)", flush=True)
 
