@@ -80,7 +80,9 @@ def run_appends_and_attention(env, layout: KVLayout, chunks: list[int], n_head: 
             np.testing.assert_array_equal(env.get(kv.keys(layer)[: kv.n_tokens]), truth_k[layer])
     # give most back, then grow again past the old length: the reused prefix still holds its data
     keep = chunks[0]
-    kv.truncate(keep)
+    fence = pool.driver.fence()  # after every kernel above; waited so the unmap below is not deferred
+    fence.wait()
+    kv.truncate(keep, fence)
     pool.maintain()
     assert kv.tenant.mapped_bytes <= -(-keep // per_page) * pool.page_bytes * 2 * layout.n_layer
     start = kv.reserve(per_page + 3)

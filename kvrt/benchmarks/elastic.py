@@ -1,0 +1,557 @@
+"""Elastic KV memory: page costs, a bursty multi-model trace, and elastic vs fixed llama.cpp contexts.
+
+``--part a`` (GPU): each CUDA VMM call's cost per 2 MiB page (cuMemCreate, cuMemMap,
+cuMemSetAccess, cuMemUnmap, cuMemRelease, each timed alone through
+:class:`kvrt.vmm.CudaDriver`, Python call overhead included), then the page supply
+latency a tenant sees when ``grow_to`` crosses a page boundary: with the next page
+already mapped ahead, with pages created ahead but not mapped, and cold (created on the
+critical path). p50/p99 over ``--pages`` crossings each.
+
+``--part b`` (GPU): a bursty trace of requests to several models (KV geometries of
+Llama-3.2-1B, Qwen2.5-7B and Llama-3.1-8B, each allowed ``--max-ctx`` tokens) under one
+KV memory cap, served two ways. *Static*: a model is resident only while it holds KV
+for its whole max context (stock llama.cpp: the context allocates and clears it;
+here ``cudaMalloc`` + ``cudaMemset`` of that size, timed); a request to a non-resident
+model waits until idle resident models are evicted to make room. *Elastic*: every
+model is an :class:`kvrt.elastic_kv.ElasticKV` tenant of one :class:`ElasticPool`
+capped at the same bytes; a request maps pages for its tokens when it starts and
+returns them when it ends (timed, real VMM calls). What is **modelled**, identically in
+both arms: the compute (prefill ``us/token`` and decode ``ms/token`` per model, from
+the H200 measurements in the device notes, scaled by weight size), up to ``--slots``
+concurrent requests per model whose tokens fit its max context, models and requests
+running side by side without compute contention, weights resident and outside the cap,
+and the filler's work between events (``maintain()``, untimed). TTFT = queueing +
+the timed memory operation + modelled prefill. Swept over ``--loads`` (arrival-rate
+multipliers); memory held over time (the static arm's resident maxima; the pool's mapped plus
+parked pages, at most ``2 * IDLE_TARGET`` parked) is plotted. Requests a static arm can
+never serve (a model whose max KV exceeds the cap) are counted as unserved. Idle co-residence: how many models'
+static maxima fit the cap vs how many idle elastic tenants (0 pages each) were
+reserved side by side (up to ``--idle-probe``).
+
+``--part c`` (CPU or GPU): the same agent in an :class:`kvrt.elastic_context.ElasticContext`
+(grows from 256 cells) and in a fixed context of the elastic one's final size: greedy
+tokens (must be equal), time per generated token, and the growth moves' total time
+against the prefill they accompany.
+
+``--driver host`` runs parts a and b on :class:`kvrt.vmm.HostDriver` to check the
+harness on a CPU machine; its times are not GPU results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import platform
+import statistics
+import tempfile
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvrt.elastic import ElasticPool, ElasticRefusal
+from kvrt.elastic_kv import ElasticKV, KVLayout
+
+HELP = "elastic KV memory: VMM page costs, bursty multi-model trace (static vs elastic), elastic llama.cpp contexts"
+
+MiB = 1 << 20
+GiB = 1 << 30
+IDLE_TARGET = 128  # part b: pages the elastic pool keeps created ahead (256 MiB); twice that stay parked
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--part", choices=("a", "b", "c", "all"), default="all")
+    parser.add_argument("--driver", choices=("cuda", "host"), default="cuda", help="parts a/b: page driver")
+    parser.add_argument("--pages", type=int, default=400, help="part a: pages per measurement")
+    parser.add_argument("--cap-gib", type=float, default=16.0, help="part b: KV memory cap for both arms")
+    parser.add_argument("--max-ctx", type=int, default=32768, help="part b: each model's maximum context")
+    parser.add_argument("--models", type=int, default=12, help="part b: models in the trace (3 shapes, cycled)")
+    parser.add_argument("--duration-s", type=float, default=600.0, help="part b: trace length (virtual seconds)")
+    parser.add_argument("--loads", default="0.5,1,2,4", help="part b: arrival-rate multipliers")
+    parser.add_argument("--slots", type=int, default=8, help="part b: requests one model serves at once")
+    parser.add_argument("--idle-probe", type=int, default=256, help="part b: idle elastic tenants to reserve")
+    parser.add_argument("--model", default="", help="part c: GGUF path (default: the tiny test model, written)")
+    parser.add_argument("--prompt-tokens", type=int, default=3000, help="part c: prompt length")
+    parser.add_argument("--gen-tokens", type=int, default=64, help="part c: generated tokens")
+    parser.add_argument("--repeats", type=int, default=3, help="part c: runs per arm (median kept)")
+    parser.add_argument("--n-gpu-layers", type=int, default=-1, help="part c: layers offloaded")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
+
+
+def _summary_us(values_s: list[float]) -> dict[str, float]:
+    us = [v * 1e6 for v in values_s]
+    return {"n": len(us), "p50_us": _pct(us, 50), "p99_us": _pct(us, 99), "mean_us": statistics.fmean(us) if us else 0}
+
+
+def _driver(kind: str, page_bytes: int = 2 * MiB) -> Any:
+    from kvrt.vmm import CudaDriver, HostDriver
+
+    return CudaDriver() if kind == "cuda" else HostDriver(page_bytes)
+
+
+# -- part a -------------------------------------------------------------------------------
+
+
+def part_a(args: argparse.Namespace) -> dict[str, Any]:
+    driver = _driver(args.driver)
+    page, n = driver.page_bytes, args.pages
+    va = driver.reserve(n * page)
+    times: dict[str, list[float]] = {k: [] for k in ("create", "map", "set_access", "unmap", "release")}
+    handles = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        handles.append(driver.create_page())
+        times["create"].append(time.perf_counter() - t0)
+    for i, handle in enumerate(handles):
+        t0 = time.perf_counter()
+        driver.map_page(va + i * page, handle)
+        t1 = time.perf_counter()
+        driver.set_access(va + i * page, page)
+        t2 = time.perf_counter()
+        times["map"].append(t1 - t0)
+        times["set_access"].append(t2 - t1)
+    for i in range(n):
+        t0 = time.perf_counter()
+        driver.unmap_page(va + i * page)
+        times["unmap"].append(time.perf_counter() - t0)
+    for handle in handles:
+        t0 = time.perf_counter()
+        driver.release_page(handle)
+        times["release"].append(time.perf_counter() - t0)
+    driver.free_reservation(va, n * page)
+    per_call = {k: _summary_us(v) for k, v in times.items()}
+
+    def supply(ahead: int, idle: int) -> dict[str, float]:
+        pool = ElasticPool(driver, map_ahead_stripes=ahead, idle_target_pages=idle, idle_max_pages=max(idle, 1))
+        tenant = pool.add_tenant("grower", (n + ahead + 1) * page)
+        pool.maintain()
+        lat = []
+        for k in range(1, n + 1):
+            t0 = time.perf_counter()
+            tenant.grow_to(k * page)
+            lat.append(time.perf_counter() - t0)
+            if ahead or idle:
+                pool.maintain()  # the filler's work, between crossings and untimed
+        shrink = []
+        for k in range(n - 1, -1, -1):
+            t0 = time.perf_counter()
+            tenant.shrink_to(k * page)
+            shrink.append(time.perf_counter() - t0)
+        pool.close()
+        return {**_summary_us(lat), "shrink_p50_us": _pct([s * 1e6 for s in shrink], 50),
+                "shrink_p99_us": _pct([s * 1e6 for s in shrink], 99)}
+
+    result = {
+        "page_bytes": page,
+        "per_call": per_call,
+        "supply": {
+            "pre_mapped": supply(ahead=1, idle=0),
+            "pre_created_not_mapped": supply(ahead=0, idle=n + 1),
+            "cold": supply(ahead=0, idle=0),
+        },
+    }
+    for name, row in per_call.items():
+        print(f"  {name:>11}: p50 {row['p50_us']:8.1f} us  p99 {row['p99_us']:8.1f} us")
+    for name, row in result["supply"].items():
+        print(f"  supply {name:>22}: p50 {row['p50_us']:8.1f} us  p99 {row['p99_us']:8.1f} us")
+    return result
+
+
+# -- part b -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TraceModel:
+    """A model of the trace: its KV geometry and its modelled compute speed."""
+
+    name: str
+    layout: KVLayout
+    prefill_us_per_token: float
+    decode_ms_per_token: float
+
+    @property
+    def max_kv_bytes(self) -> int:
+        return self.layout.kv_bytes(self.layout.max_tokens)
+
+
+# Modelled compute. Qwen2.5-7B shape: prefill of 3,501 tokens took 150-197 ms and 32,000
+# tokens 2,073 ms on the H200 (device notes) -> ~60 us/token; decode ~12 ms/token there.
+# The 1B and 8B shapes are scaled by weight bytes (1.2 GB, 15.2 GB, 16 GB at F16).
+SHAPES = (
+    ("llama3.2-1b", 16, 8, 64, 10.0, 2.0),
+    ("qwen2.5-7b", 28, 4, 128, 60.0, 12.0),
+    ("llama3.1-8b", 32, 8, 128, 64.0, 13.0),
+)
+
+
+def trace_models(count: int, max_ctx: int) -> list[TraceModel]:
+    models = []
+    for i in range(count):
+        name, layers, kv_heads, head_dim, prefill_us, decode_ms = SHAPES[i % len(SHAPES)]
+        models.append(TraceModel(f"{name}#{i}", KVLayout(layers, kv_heads, head_dim, max_ctx), prefill_us, decode_ms))
+    return models
+
+
+@dataclass(order=True)
+class Request:
+    arrival: float
+    model: int = field(compare=False)
+    prompt: int = field(compare=False)
+    output: int = field(compare=False)
+    start: float = field(default=0.0, compare=False)
+    ttft: float = field(default=0.0, compare=False)
+
+
+def bursty_trace(models: list[TraceModel], duration_s: float, load: float, seed: int) -> list[Request]:
+    """Per model: idle gaps (exponential, mean 60 s / load) then bursts of 1-8 requests 0.5 s apart on average.
+
+    Prompts are 256-8192 tokens (log-uniform), outputs 32-256 tokens; all capped at the max context.
+    """
+    rng = np.random.default_rng(seed)
+    requests = []
+    for m, model in enumerate(models):
+        t = float(rng.exponential(60.0 / load))
+        while t < duration_s:
+            for _ in range(int(rng.integers(1, 9))):
+                prompt = int(np.exp(rng.uniform(np.log(256), np.log(8192))))
+                output = int(rng.integers(32, 257))
+                prompt = min(prompt, model.layout.max_tokens - output)
+                requests.append(Request(t, m, prompt, output))
+                t += float(rng.exponential(0.5 / load))
+            t += float(rng.exponential(60.0 / load))
+    return sorted(requests)
+
+
+class StaticArena:
+    """Static reservation: a resident model holds its max KV, allocated and cleared like llama.cpp's context."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._held: dict[int, Any] = {}
+
+    def allocate(self, m: int, nbytes: int) -> float:
+        t0 = time.perf_counter()
+        if self.kind == "cuda":
+            import cupy
+
+            ptr = cupy.cuda.runtime.malloc(nbytes)
+            cupy.cuda.runtime.memset(ptr, 0, nbytes)
+            cupy.cuda.runtime.deviceSynchronize()
+            self._held[m] = ptr
+        else:
+            self._held[m] = np.zeros(nbytes // 4096, dtype=np.uint8)  # host stand-in, scaled down
+        return time.perf_counter() - t0
+
+    def free(self, m: int) -> None:
+        ptr = self._held.pop(m)
+        if self.kind == "cuda":
+            import cupy
+
+            cupy.cuda.runtime.free(ptr)
+
+    def close(self) -> None:
+        for m in list(self._held):
+            self.free(m)
+
+
+def simulate(arm: str, models: list[TraceModel], trace: list[Request], cap: int, kind: str,
+             pool_driver: Any, slots: int) -> dict[str, Any]:
+    """Run ``trace`` through one arm in virtual time; memory operations are real and timed.
+
+    Each model serves up to ``slots`` requests at once whose tokens together fit its max
+    context (the same rule in both arms). Static: the model must be resident (hold its
+    max KV); idle resident models are evicted, least recently used first, to make room.
+    Elastic: each request slot is a tenant; a request maps its tokens' pages at start.
+    """
+    n = len(models)
+    queues: list[deque[Request]] = [deque() for _ in range(n)]
+    active = [0] * n
+    tokens_in_use = [0] * n
+    last_used = [0.0] * n
+    held_bytes = [0] * n
+    resident: set[int] = set()
+    timeline: list[tuple[float, int]] = [(0.0, 0)]
+    events: list[tuple[float, int, str, Any]] = []
+    counter = 0
+    done: list[Request] = []
+    mem_op_s: list[float] = []
+    pool: ElasticPool | None = None
+    free_slots: list[list[ElasticKV]] = []
+    arena = StaticArena(kind) if arm == "static" else None
+    if arm == "elastic":
+        pool = ElasticPool(pool_driver, capacity_bytes=cap, idle_target_pages=IDLE_TARGET, idle_max_pages=2 * IDLE_TARGET,
+                           park_s=0.0, map_ahead_stripes=0)
+        free_slots = [[ElasticKV(pool, f"{model.name}/{j}", model.layout) for j in range(slots)] for model in models]
+
+    def push(t: float, what: str, data: Any) -> None:
+        nonlocal counter
+        counter += 1
+        heapq.heappush(events, (t, counter, what, data))
+
+    def record(now: float) -> None:
+        if pool is not None:
+            stats = pool.stats()
+            timeline.append((now, (stats.mapped_pages + stats.idle_pages) * stats.page_bytes))
+        else:
+            timeline.append((now, sum(held_bytes)))
+
+    def make_resident(m: int) -> float | None:
+        """Static arm: seconds to allocate ``m``'s max KV, or ``None`` when it cannot fit yet."""
+        need = models[m].max_kv_bytes
+        while sum(held_bytes) + need > cap:
+            idle = [r for r in resident if not active[r] and not queues[r]]
+            if not idle:
+                return None
+            victim = min(idle, key=lambda r: last_used[r])
+            arena.free(victim)
+            resident.discard(victim)
+            held_bytes[victim] = 0
+        cost = arena.allocate(m, need)
+        resident.add(m)
+        held_bytes[m] = need
+        return cost
+
+    def try_start(m: int, now: float) -> None:
+        model = models[m]
+        while queues[m] and active[m] < slots:
+            req = queues[m][0]
+            need = req.prompt + req.output
+            if tokens_in_use[m] + need > model.layout.max_tokens:
+                return
+            if arm == "elastic":
+                kv = free_slots[m][-1]
+                t0 = time.perf_counter()
+                try:
+                    kv.reserve(need)
+                except ElasticRefusal:
+                    return
+                cost = time.perf_counter() - t0
+                free_slots[m].pop()
+                slot: ElasticKV | None = kv
+            else:
+                cost = 0.0 if m in resident else make_resident(m)
+                if cost is None:
+                    return
+                slot = None
+            queues[m].popleft()
+            mem_op_s.append(cost)
+            active[m] += 1
+            tokens_in_use[m] += need
+            prefill_s = req.prompt * model.prefill_us_per_token * 1e-6
+            req.start = now
+            req.ttft = now + cost + prefill_s - req.arrival
+            push(now + cost + prefill_s + req.output * model.decode_ms_per_token * 1e-3, "finish", (m, req, slot))
+            record(now)
+
+    def oldest_first() -> list[int]:
+        return sorted((i for i in range(n) if queues[i]), key=lambda i: queues[i][0].arrival)
+
+    for req in trace:
+        push(req.arrival, "arrive", req)
+    while events:
+        now, _, what, data = heapq.heappop(events)
+        if what == "arrive":
+            queues[data.model].append(data)
+            try_start(data.model, now)
+            continue
+        m, req, slot = data
+        active[m] -= 1
+        tokens_in_use[m] -= req.prompt + req.output
+        last_used[m] = now
+        done.append(req)
+        if slot is not None:
+            slot.truncate(0)
+            free_slots[m].append(slot)
+            pool.maintain()
+        record(now)
+        for i in oldest_first():
+            try_start(i, now)
+    if pool is not None:
+        for kv in (kv for group in free_slots for kv in group):
+            kv.close()
+        pool.close()
+    else:
+        arena.close()
+    ttft = [r.ttft for r in done]
+    waits = [r.start - r.arrival for r in done]
+    return {
+        "arm": arm, "requests": len(done), "unserved": len(trace) - len(done),
+        "ttft_p50_ms": _pct(ttft, 50) * 1e3, "ttft_p99_ms": _pct(ttft, 99) * 1e3,
+        "wait_p50_ms": _pct(waits, 50) * 1e3, "wait_p99_ms": _pct(waits, 99) * 1e3,
+        "queued_fraction": float(np.mean([w > 1e-9 for w in waits])) if waits else 0.0,
+        "mem_op_p50_us": _pct([c * 1e6 for c in mem_op_s], 50), "mem_op_p99_us": _pct([c * 1e6 for c in mem_op_s], 99),
+        "peak_bytes": max(b for _, b in timeline), "timeline": timeline,
+    }
+
+
+def idle_coresidence(models: list[TraceModel], cap: int, driver: Any, probe: int) -> dict[str, int]:
+    """Static: models whose maxima fit the cap, in trace order. Elastic: idle tenants reserved side by side."""
+    static, used = 0, 0
+    for model in models:
+        if used + model.max_kv_bytes <= cap:
+            used += model.max_kv_bytes
+            static += 1
+    pool = ElasticPool(driver, capacity_bytes=cap)
+    tenants = []
+    try:
+        for i in range(probe):
+            model = models[i % len(models)]
+            tenants.append(ElasticKV(pool, f"idle{i}", model.layout))
+    except Exception as exc:  # the VA space (or the driver) ran out: report how far it got
+        print(f"  idle probe stopped at {len(tenants)} tenants: {exc}")
+    elastic = len(tenants)
+    held = pool.stats().mapped_pages
+    for kv in tenants:
+        kv.close()
+    pool.close()
+    return {"static_models": static, "elastic_idle_tenants": elastic, "elastic_idle_mapped_pages": held,
+            "probe_limit": probe}
+
+
+def part_b(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    models = trace_models(args.models, args.max_ctx)
+    cap = int(args.cap_gib * GiB)
+    driver = _driver(args.driver)
+    coresident = idle_coresidence(models, cap, driver, args.idle_probe)
+    print(f"  idle co-resident under {args.cap_gib} GiB: static {coresident['static_models']}, "
+          f"elastic {coresident['elastic_idle_tenants']} (of {args.idle_probe} tried)")
+    rows = []
+    timelines = {}
+    for load in (float(x) for x in args.loads.split(",")):
+        trace = bursty_trace(models, args.duration_s, load, args.seed)
+        for arm in ("static", "elastic"):
+            result = simulate(arm, models, trace, cap, args.driver, driver, args.slots)
+            timelines[(arm, load)] = result.pop("timeline")
+            rows.append({"load": load, **result})
+            print(f"  load {load:>4}: {arm:>7} {result['requests']} req ({result['unserved']} never served), TTFT p50 {result['ttft_p50_ms']:9.1f} ms "
+                  f"p99 {result['ttft_p99_ms']:9.1f} ms, queued {result['queued_fraction']:.0%}, "
+                  f"peak {result['peak_bytes'] / GiB:.2f} GiB")
+    _plot_memory(timelines, cap, out / "elastic-b-memory.png")
+    with (out / "elastic-b-memory.csv").open("w") as fh:
+        fh.write("arm,load,t_s,bytes\n")
+        for (arm, load), points in timelines.items():
+            fh.writelines(f"{arm},{load},{t:.6f},{b}\n" for t, b in points)
+    first_queue = next((r["load"] for r in rows if r["arm"] == "static" and r["queued_fraction"] > 0), None)
+    headline = {}
+    if first_queue is not None:
+        s = next(r for r in rows if r["arm"] == "static" and r["load"] == first_queue)
+        e = next(r for r in rows if r["arm"] == "elastic" and r["load"] == first_queue)
+        headline = {"load": first_queue, "static_ttft_p99_ms": s["ttft_p99_ms"], "elastic_ttft_p99_ms": e["ttft_p99_ms"],
+                    "p99_ttft_ratio": s["ttft_p99_ms"] / e["ttft_p99_ms"]}
+        print(f"  static starts queueing at load {first_queue}: p99 TTFT static/elastic = "
+              f"{headline['p99_ttft_ratio']:.2f}x")
+    return {"cap_bytes": cap, "models": [asdict(m) | {"max_kv_bytes": m.max_kv_bytes} for m in models],
+            "idle_coresidence": coresident, "rows": rows, "headline": headline}
+
+
+def _plot_memory(timelines: dict[tuple[str, float], list[tuple[float, int]]], cap: int, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("  matplotlib missing: no plot")
+        return
+    loads = sorted({load for _, load in timelines})
+    fig, axes = plt.subplots(len(loads), 1, figsize=(9, 2.4 * len(loads)), sharex=True, squeeze=False)
+    for ax, load in zip(axes[:, 0], loads):
+        for arm in ("static", "elastic"):
+            points = timelines[(arm, load)]
+            ax.step([t for t, _ in points], [b / GiB for _, b in points], where="post", label=arm)
+        ax.axhline(cap / GiB, color="grey", linestyle="--", linewidth=0.8)
+        ax.set_ylabel(f"GiB (load {load})")
+    axes[0, 0].legend(loc="upper right")
+    axes[-1, 0].set_xlabel("trace time (virtual s)")
+    fig.suptitle("KV memory held: static reservation vs elastic pool")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- part c -------------------------------------------------------------------------------
+
+
+def part_c(args: argparse.Namespace) -> dict[str, Any]:
+    from kvrt.context import Context
+    from kvrt.elastic_context import ElasticContext
+    from kvrt.generation import GenerationParams, generate
+    from kvrt.model import Model
+
+    path = args.model
+    if not path:
+        from kvrt.testmodels import write_model
+
+        path = str(write_model(Path(tempfile.mkdtemp()) / "tiny.gguf", "tiny", seed=args.seed))
+    model = Model(path, n_gpu_layers=args.n_gpu_layers)
+    rng = np.random.default_rng(args.seed)
+    prompt = [int(t) for t in rng.integers(3, min(model.n_vocab, 32000), args.prompt_tokens)]
+    prompt[0] = 1  # BOS
+    params = GenerationParams(max_tokens=args.gen_tokens)
+    runs: dict[str, list[dict[str, float]]] = {"fixed": [], "elastic": []}
+    tokens: dict[str, list[int]] = {}
+    final_ctx = 0
+    for _ in range(args.repeats):
+        with ElasticContext(model, max_ctx=1 << 20 if not final_ctx else final_ctx, min_ctx=256) as agent:
+            t0 = time.perf_counter()
+            done = agent.generate(prompt, params)
+            total = time.perf_counter() - t0
+            growth = sum(r.seconds for r in agent.resizes)
+            final_ctx = agent.n_ctx
+            tokens["elastic"] = done.tokens
+            runs["elastic"].append({"prefill_ms": done.timings_ms["prefill_ms"], "growth_ms": growth * 1e3,
+                                    "moves": len(agent.resizes),
+                                    "ms_per_token": done.timings_ms["decode_ms"] / max(len(done.tokens), 1),
+                                    "total_ms": total * 1e3})
+        with Context(model, n_ctx=final_ctx) as ctx:
+            t0 = time.perf_counter()
+            done = generate(ctx, prompt, params)
+            total = time.perf_counter() - t0
+            tokens["fixed"] = done.tokens
+            runs["fixed"].append({"prefill_ms": done.timings_ms["prefill_ms"], "growth_ms": 0.0, "moves": 0,
+                                  "ms_per_token": done.timings_ms["decode_ms"] / max(len(done.tokens), 1),
+                                  "total_ms": total * 1e3})
+    model.close()
+    med = {arm: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}
+    best = {arm: {k: min(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}  # least disturbed run
+    e, f = med["elastic"], med["fixed"]
+    result = {
+        "model": Path(path).name, "prompt_tokens": args.prompt_tokens, "gen_tokens": len(tokens["fixed"]),
+        "final_ctx": final_ctx, "tokens_equal": tokens["fixed"] == tokens["elastic"], "median": med, "runs": runs,
+        "tpot_ratio_elastic_over_fixed": e["ms_per_token"] / f["ms_per_token"],
+        "growth_over_prefill": e["growth_ms"] / f["prefill_ms"],
+        "best": best,
+        "best_tpot_ratio": best["elastic"]["ms_per_token"] / best["fixed"]["ms_per_token"],
+        "best_growth_over_prefill": best["elastic"]["growth_ms"] / best["fixed"]["prefill_ms"],
+    }
+    print(f"  final n_ctx {final_ctx}, tokens equal: {result['tokens_equal']}")
+    print(f"  ms/token: elastic {e['ms_per_token']:.3f}, fixed {f['ms_per_token']:.3f} "
+          f"(ratio {result['tpot_ratio_elastic_over_fixed']:.3f})")
+    print(f"  growth: {e['moves']:.0f} moves, {e['growth_ms']:.1f} ms = {result['growth_over_prefill']:.1%} of the "
+          f"fixed prefill ({f['prefill_ms']:.1f} ms); elastic prefill incl. growth {e['prefill_ms']:.1f} ms")
+    print(f"  best of {args.repeats}: ms/token ratio {result['best_tpot_ratio']:.3f}, growth/prefill "
+          f"{result['best_growth_over_prefill']:.1%}")
+    return result
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": platform.node(), "python": platform.python_version(),
+            "driver": args.driver, "args": {k: v for k, v in vars(args).items() if not callable(v)}}
+    parts = ("a", "b", "c") if args.part == "all" else (args.part,)
+    for part in parts:
+        print(f"elastic part {part}:")
+        result = {"a": lambda: part_a(args), "b": lambda: part_b(args, out), "c": lambda: part_c(args)}[part]()
+        path = out / f"elastic-{part}.json"
+        path.write_text(json.dumps({"meta": meta, "result": result}, indent=1, default=str))
+        print(f"  wrote {path}")
+    return 0

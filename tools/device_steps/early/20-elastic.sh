@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Elastic KV memory (issue 6), no llama.cpp needed (runs while it builds; budget ~120 s):
+#   1. the elastic pool, ElasticKV and kernel tests on the real GPU (CUDA VMM through
+#      cuda.bindings, CuPy views, Numba kernels) -- look for "passed", no skips of the gpu tests;
+#   2. kvrt bench elastic part a: per-page cuMemCreate/cuMemMap/cuMemSetAccess/cuMemUnmap/
+#      cuMemRelease p50/p99 and the page supply latency of a growing tenant (pre-mapped,
+#      pre-created only, cold) -- targets: pre-mapped p99 <= 5 us, not pre-mapped <= 60 us;
+#   3. part b: bursty 12-model 300 s trace under a 16 GiB KV cap, static reservation vs elastic
+#      (compute modelled, memory operations real): idle co-residence, TTFT p50/p99 per load,
+#      memory-over-time PNG -- targets: >= 3x p99 TTFT at the load where static starts to
+#      queue, >= 3x more idle models co-resident.
+# Writes everything under $RESULTS/elastic/.
+set -uo pipefail
+out="${RESULTS:-/tmp/kvrt-results}/elastic"
+mkdir -p "$out"
+timeout 45 python3 -m pytest -q -p no:cacheprovider -rs tests/test_elastic.py tests/test_elastic_kv.py \
+  > "$out/pytest-elastic-gpu.log" 2>&1
+echo "pytest elastic (gpu): rc=$? $(tail -n 1 "$out/pytest-elastic-gpu.log")"
+timeout 25 python3 -m kvrt.cli bench elastic --part a --pages 400 --out "$out" 2>&1 | tee "$out/part-a.log"
+timeout 45 python3 -m kvrt.cli bench elastic --part b --cap-gib 16 --max-ctx 32768 --models 12 --duration-s 300 \
+  --loads 0.5,1,2,4 --idle-probe 256 --out "$out" 2>&1 | tee "$out/part-b.log"
