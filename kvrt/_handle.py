@@ -41,3 +41,35 @@ class NativeHandle:
         ptr, self._ptr = self._ptr, None
         if ptr is not None and not self.borrowed:
             self._free(ptr)
+
+
+class OwnsHandle:
+    """Lifetime protocol of objects that own one :class:`NativeHandle` in ``self._handle``.
+
+    Deterministic release through ``close()`` or ``with``; the finaliser is only the
+    safety net for objects nobody closed.
+    """
+
+    _handle: NativeHandle
+
+    @property
+    def ptr(self) -> Any:
+        return self._handle.ptr
+
+    @property
+    def closed(self) -> bool:
+        return self._handle.closed
+
+    def close(self) -> None:
+        self._handle.close()
+
+    def __enter__(self):  # noqa: ANN204  (returns the subclass)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            handle.close()

@@ -8,10 +8,10 @@ import numpy as np
 
 from kvrt.bindings import ffi, lib
 from kvrt.errors import KvrtError
-from kvrt._handle import NativeHandle
+from kvrt._handle import NativeHandle, OwnsHandle
 
 
-class Batch:
+class Batch(OwnsHandle):
     """Tokens for one ``llama_decode`` call, possibly for several sequences.
 
     Allocated once with room for ``capacity`` tokens, each in up to ``n_seq_max``
@@ -43,7 +43,7 @@ class Batch:
     @property
     def raw(self) -> object:
         """The ``llama_batch`` struct value to pass to ``llama_decode``."""
-        self._handle.ptr  # raises once freed
+        self.ptr  # raises once freed
         self._raw.n_tokens = self.n_tokens
         return self._raw
 
@@ -102,17 +102,3 @@ class Batch:
         n = self.n_tokens
         seqs = [[self._seq0[r][j] for j in range(self._n_seq[r])] for r in range(n)]
         return self._token[:n].copy(), self._pos[:n].copy(), seqs
-
-    def close(self) -> None:
-        self._handle.close()
-
-    def __enter__(self) -> Batch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            handle.close()

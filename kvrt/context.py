@@ -19,7 +19,7 @@ from kvrt.batch import Batch
 from kvrt.bindings import FLASH_ATTN, STATE_SEQ_FLAGS_NONE, capture, explain, ffi, lib
 from kvrt.errors import ContextError, DecodeError, KvrtError, StateError
 from kvrt.model import Model
-from kvrt._handle import NativeHandle
+from kvrt._handle import NativeHandle, OwnsHandle
 
 _DECODE_CODES = {
     1: "no KV slot for the batch (the context is full: free sequences or use a larger n_ctx)",
@@ -82,7 +82,7 @@ class ContextParams:
         return asdict(self)
 
 
-class Context:
+class Context(OwnsHandle):
     """A llama.cpp context over a :class:`Model` (use as a context manager)."""
 
     def __init__(self, model: Model, params: ContextParams | None = None, **overrides: Any) -> None:
@@ -126,29 +126,6 @@ class Context:
         self.model._adopt(self)
         self._n_vocab = self.model.n_vocab
         return self
-
-    # -- lifetime -------------------------------------------------------------------
-    @property
-    def ptr(self) -> Any:
-        return self._handle.ptr
-
-    @property
-    def closed(self) -> bool:
-        return self._handle.closed
-
-    def close(self) -> None:
-        self._handle.close()
-
-    def __enter__(self) -> Context:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            handle.close()
 
     # -- sizes ----------------------------------------------------------------------
     @property

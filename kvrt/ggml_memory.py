@@ -14,7 +14,7 @@ import numpy as np
 
 from kvrt.bindings import DEVICE_TYPES, ffi, ggml
 from kvrt.errors import KvrtError, LlamaError
-from kvrt._handle import NativeHandle
+from kvrt._handle import NativeHandle, OwnsHandle
 
 TENSOR_ALIGNMENT = 32
 """ggml's required alignment of a buffer's base pointer (``TENSOR_ALIGNMENT`` in ggml-impl.h)."""
@@ -51,7 +51,7 @@ def devices() -> list[Device]:
     return found
 
 
-class Buffer:
+class Buffer(OwnsHandle):
     """A ggml backend buffer: device memory from a device's buffer type, or wrapped host memory."""
 
     def __init__(self, ptr: Any, what: str, keep_alive: Any = None) -> None:
@@ -96,19 +96,8 @@ class Buffer:
         return bool(ggml().ggml_backend_buffer_is_host(self._handle.ptr))
 
     def close(self) -> None:
-        self._handle.close()
+        super().close()
         self._keep_alive = None
-
-    def __enter__(self) -> Buffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            handle.close()
 
 
 def aligned_empty(nbytes: int, alignment: int = 4096) -> np.ndarray:

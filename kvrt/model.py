@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvrt.bindings import capture, explain, ffi, lib
 from kvrt.errors import KvrtError, ModelLoadError
-from kvrt._handle import NativeHandle
+from kvrt._handle import NativeHandle, OwnsHandle
 
 if TYPE_CHECKING:
     from kvrt.context import Context
@@ -76,7 +76,7 @@ def _check_file(path: Path) -> None:
         )
 
 
-class Model:
+class Model(OwnsHandle):
     """A llama.cpp model, loaded from a GGUF file or borrowed from llama-cpp-python.
 
     ``n_gpu_layers=-1`` offloads every layer to the GPU when llama.cpp has one and is a
@@ -134,14 +134,6 @@ class Model:
         return self
 
     # -- lifetime -------------------------------------------------------------------
-    @property
-    def ptr(self) -> Any:
-        return self._handle.ptr
-
-    @property
-    def closed(self) -> bool:
-        return self._handle.closed
-
     def _adopt(self, context: Context) -> None:
         self._contexts.add(context)
 
@@ -149,18 +141,7 @@ class Model:
         """Free the model, closing every context made from it first."""
         for context in list(self._contexts):
             context.close()
-        self._handle.close()
-
-    def __enter__(self) -> Model:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            handle.close()
+        super().close()
 
     # -- architecture -----------------------------------------------------------------
     @property

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kvrt.bindings import ffi, lib
 from kvrt.context import Context
 from kvrt.errors import DecodeError, KvrtError
-from kvrt._handle import NativeHandle
+from kvrt._handle import NativeHandle, OwnsHandle
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
-class Sampler:
+class Sampler(OwnsHandle):
     """A llama.cpp sampler chain built from :class:`SamplingParams` (one per sequence)."""
 
     def __init__(self, params: SamplingParams | None = None) -> None:
@@ -65,15 +65,8 @@ class Sampler:
         if not ctx.has_logits(row):
             # llama_sampler_sample asserts (aborts the process) on a row without logits.
             raise DecodeError("llama_sampler_sample", "no logits were computed for this row", row=row)
-        return int(lib().llama_sampler_sample(self._handle.ptr, ctx.ptr, row))
+        return int(lib().llama_sampler_sample(self.ptr, ctx.ptr, row))
 
     def reset(self) -> None:
-        lib().llama_sampler_reset(self._handle.ptr)
+        lib().llama_sampler_reset(self.ptr)
 
-    def close(self) -> None:
-        self._handle.close()
-
-    def __del__(self) -> None:
-        handle = getattr(self, "_handle", None)
-        if handle is not None:
-            handle.close()
