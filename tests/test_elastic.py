@@ -337,3 +337,27 @@ def test_cuda_pool_grows_shrinks_and_views_as_cupy():
             a.shrink_to(0)
         pool.check()
     assert ledger.allocated_bytes == 0
+
+
+def test_filler_thread_racing_grow_and_shrink_keeps_the_invariants():
+    pool, driver, ledger = make_pool(capacity_pages=30, ledger_pages=32, map_ahead_stripes=2, idle_target_pages=3,
+                                     idle_max_pages=5, park_s=0.0)
+    tenants = [pool.add_tenant(f"t{i}", 10 * PAGE, segments=2) for i in range(3)]
+    rng = np.random.default_rng(7)
+    pool.start(interval_s=0.0005)
+    try:
+        for step in range(2000):
+            tenant = tenants[step % 3]
+            try:
+                tenant.grow_to(int(rng.integers(0, 10 * PAGE + 1)))
+            except ElasticRefusal:
+                pass
+            fill(tenant, step % 3 + 1)
+            tenant.shrink_to(int(rng.integers(0, tenant.committed_bytes + 1)))
+            assert holds(tenant, step % 3 + 1)
+    finally:
+        pool.stop()
+    stats = pool.check()
+    assert driver.live_pages == stats.live_pages == ledger.allocated_bytes // PAGE
+    pool.close()
+    assert driver.live_pages == 0 and ledger.allocated_bytes == 0

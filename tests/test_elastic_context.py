@@ -70,3 +70,14 @@ def test_a_denied_growth_changes_nothing(tiny_model):
             agent.ensure(5000)
     with pytest.raises(KvrtError, match="multiple of 256"):
         ElasticContext(tiny_model, max_ctx=1024, min_ctx=100)
+
+
+def test_growth_in_the_middle_of_decoding_keeps_the_tokens(tiny_model):
+    prompt = tiny_model.tokenize(text(200, 6))[:250]  # 250 + 40 generated crosses the 256-cell bucket
+    with Context(tiny_model, n_ctx=1024) as fixed:
+        expected = generate(fixed, prompt, GREEDY).tokens
+    with ElasticContext(tiny_model, max_ctx=1024, min_ctx=256) as agent:
+        got = agent.generate(prompt, GREEDY).tokens
+        assert [(r.from_ctx, r.to_ctx) for r in agent.resizes] == [(256, 512)]
+        assert agent.resizes[0].n_tokens >= 256 - 1  # it moved while decoding, not during the prefill
+    assert got == expected
