@@ -1,0 +1,396 @@
+"""Admission control and time-slicing (seed 003, issue 4): co-residence, swap round trip, 50 agents.
+
+``coresidence``: three different models, each asking for a huge context (``--huge-fraction``
+of the budget in KV bytes). Naive: load each and create its context independently, all
+alive at once, as three ``llama-completion`` processes would; on a GPU the later ones
+fail in ``cudaMalloc``. On a machine without a GPU nothing is allocated naively (it would
+take host RAM from everyone), and the naive demand is reported from the estimates,
+labelled as computed. kvrt: register all three agents with the same contexts through
+the ledger, decode each in turn; the accounting per owner is printed after each step.
+
+``swap``: one agent with a ``--swap-docs`` token document (default 4096 and 32768):
+re-prefill time vs swap-out (capture into the pinned host pool) and swap-in (restore
+into the kept context, what the scheduler's same-shape handover does, and into a fresh
+context), with the next-token logits compared bit for bit after the round trip. Where
+CuPy sees a GPU the plain pinned host-to-device copy of the same bytes is measured side
+by side as the transfer floor.
+
+``timeslice``: ``--agents`` agents spread over the three models, each sending
+``--requests`` requests in a closed loop (next one when the previous answers), a
+ledger budget that keeps only ``--live`` contexts alive, so agents are swapped. Compared
+with the same requests run back to back, agent after agent, in one context per model created
+before the clock starts, nothing swapped. Reports aggregate tokens/s of both and p50/p95/p99 latency overall and per
+agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvrt.batch import Batch
+from kvrt.context import Context, ContextParams
+from kvrt.errors import KvrtError
+from kvrt.estimate import DeviceMeter, ModelShape, context_estimate
+from kvrt.generation import GenerationParams, generate, prefill
+from kvrt.hostpool import HostPool
+from kvrt.ledger import LedgerDenied, NvmlProbe, VramLedger
+from kvrt.model import Model
+from kvrt.scheduler import Scheduler
+from kvrt.snapshot import Snapshot
+from kvrt.testmodels import Shape, ensure_model, write_model
+
+HELP = "seed 003: three models with huge contexts, KV swap round trip vs re-prefill, 50 agents time-sliced"
+PARTS = ("coresidence", "swap", "timeslice")
+SMALL = Shape("small bench shape", n_layer=8, n_embd=256, n_head=8, n_head_kv=4, n_ff=512, n_vocab=512,
+              n_ctx_train=65536, dtype="f32")
+SENTENCE = "The quick brown fox jumps over the lazy dog. "
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+    parser.add_argument("--models", default="", help="three comma-separated GGUFs (default: generated tiny shapes)")
+    parser.add_argument("--capacity-bytes", type=int, default=None,
+                        help="ledger budget (default: 90%% of the GPU through NVML; required without a GPU)")
+    parser.add_argument("--huge-fraction", type=float, default=0.5, help="coresidence: KV bytes per agent / budget")
+    parser.add_argument("--swap-model", default=None, help="swap: GGUF (default: the first of --models)")
+    parser.add_argument("--swap-docs", default="4096,32768")
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--agents", type=int, default=50)
+    parser.add_argument("--requests", type=int, default=4, help="timeslice: requests per agent")
+    parser.add_argument("--gen-tokens", type=int, default=16)
+    parser.add_argument("--live", type=int, default=6, help="timeslice: contexts the budget keeps alive")
+    parser.add_argument("--agent-ctx", type=int, default=1024)
+    parser.add_argument("--threads", type=int, default=None)
+
+
+def _log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _models(args: argparse.Namespace, out: Path) -> list[Path]:
+    if args.models:
+        paths = [Path(p) for p in args.models.split(",") if p]
+        if len(paths) != 3:
+            raise KvrtError(f"--models needs three GGUFs, got {len(paths)}")
+        return paths
+    cache = out / "models"
+    small = cache / "kvrt-small-bench.gguf"
+    if not small.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        write_model(small, SMALL)
+    return [ensure_model(cache, "tiny", seed=0), ensure_model(cache, "tiny", seed=1), small]
+
+
+def _ledger(args: argparse.Namespace) -> VramLedger:
+    if args.capacity_bytes is None and not NvmlProbe.available():
+        raise KvrtError("no GPU visible through NVML: give --capacity-bytes")
+    return VramLedger(args.capacity_bytes)
+
+
+def _doc(model: Model, n_tokens: int) -> list[int]:
+    sentence = model.tokenize(SENTENCE, add_special=False)
+    head = model.tokenize("", add_special=True)
+    return (head + sentence * (n_tokens // len(sentence) + 1))[:n_tokens]
+
+
+# -- (a) co-residence ------------------------------------------------------------------------------
+def coresidence(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
+    ledger = _ledger(args)
+    shapes = [ModelShape.read(p) for p in paths]
+    contexts = [max(256, int(args.huge_fraction * ledger.max_bytes / s.kv_bytes_per_token()) // 256 * 256)
+                for s in shapes]
+    demand = [s.weight_bytes(on_gpu=DeviceMeter.gpu_present()) + context_estimate(s, n).total_bytes
+              for s, n in zip(shapes, contexts)]
+    result: dict[str, Any] = {"max_bytes": ledger.max_bytes, "models": [p.name for p in paths], "n_ctx": contexts,
+                              "estimated_bytes": demand, "naive_demand_bytes": sum(demand)}
+    _log(f"coresidence: budget {ledger.max_bytes / 2**30:.2f} GiB; n_ctx {contexts}; naive demand "
+         f"{sum(demand) / 2**30:.2f} GiB")
+    if DeviceMeter.gpu_present():
+        result["naive"] = _naive(paths, contexts, args.threads)
+    else:
+        result["naive"] = {"measured": False, "reason": "no GPU: a naive huge allocation would only take host RAM; "
+                           "demand computed from estimates", "fits": sum(demand) <= ledger.max_bytes}
+    steps = []
+    with Scheduler(ledger, n_threads=args.threads) as sched:
+        for i, (path, n_ctx) in enumerate(zip(paths, contexts)):
+            try:
+                info = sched.register(f"agent{i}", path, n_ctx)
+                steps.append({"step": f"REGISTER agent{i}", "ok": True, **info, "owners": ledger.snapshot().by_owner})
+            except LedgerDenied as exc:
+                steps.append({"step": f"REGISTER agent{i}", "ok": False, "reply": exc.reply()})
+            _log(f"  {steps[-1]['step']}: {'OK' if steps[-1]['ok'] else steps[-1]['reply']}")
+        for agent in [a["agent_id"] for a in sched.agents()] * 2:
+            r = sched.decode(agent, "Hello, my name is", 8)
+            steps.append({"step": f"DECODE {agent}", "evicted": list(r.evicted), "restored": r.restored,
+                          "latency_ms": r.metrics.latency_ms, "owners": ledger.snapshot().by_owner})
+            _log(f"  DECODE {agent}: evicted={','.join(r.evicted) or 'none'} restored={r.restored} "
+                 f"{r.metrics.latency_ms:.1f} ms; allocated {ledger.allocated_bytes / 2**30:.2f} GiB")
+        result["kvrt_agents_admitted"] = len(sched.agents())
+    result["kvrt"] = steps
+    return result
+
+
+def _naive(paths: list[Path], contexts: list[int], threads: int | None) -> dict[str, Any]:
+    """Independent model + huge context per agent, all kept alive, until one fails."""
+    held: list[Any] = []
+    outcome = []
+    try:
+        for path, n_ctx in zip(paths, contexts):
+            try:
+                model = Model(path)
+                held.append(model)
+                held.append(Context(model, ContextParams(n_ctx=n_ctx, n_threads=threads)))
+                outcome.append({"model": path.name, "n_ctx": n_ctx, "ok": True})
+            except KvrtError as exc:
+                outcome.append({"model": path.name, "n_ctx": n_ctx, "ok": False, "error": str(exc)[:300]})
+            _log(f"  naive {path.name} n_ctx={n_ctx}: {'OK' if outcome[-1]['ok'] else 'FAILED'}")
+    finally:
+        for obj in reversed(held):
+            obj.close()
+    return {"measured": True, "agents_ok": sum(o["ok"] for o in outcome), "steps": outcome}
+
+
+# -- (b) swap round trip -------------------------------------------------------------------------
+def _pinned_h2d_ms(nbytes: int) -> float | None:
+    """Median plain pinned host-to-device copy of ``nbytes`` (CUDA events), or None without CuPy/GPU."""
+    try:
+        import cupy
+    except ImportError:
+        return None
+    if cupy.cuda.runtime.getDeviceCount() == 0:
+        return None
+    host = np.frombuffer(cupy.cuda.alloc_pinned_memory(nbytes), dtype=np.uint8, count=nbytes)
+    dev = cupy.empty(nbytes, dtype=cupy.uint8)
+    start, end = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(5):
+        start.record()
+        dev.set(host)
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end))
+    del dev
+    return float(statistics.median(times))
+
+
+def swap(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
+    path = Path(args.swap_model) if args.swap_model else paths[0]
+    pool = HostPool()
+    rows = []
+    with Model(path) as model:
+        for n_doc in (int(x) for x in args.swap_docs.split(",") if x):
+            params = ContextParams(n_ctx=n_doc + 256, n_threads=args.threads)
+            doc = _doc(model, n_doc)
+            probe = model.tokenize(" fox", add_special=False)[:1]
+            trials = []
+            with Context(model, params) as ctx, Batch(1) as one:
+                t0 = time.perf_counter()
+                prefill(ctx, doc, logits_last=False)
+                ctx.synchronize()
+                prefill_ms = (time.perf_counter() - t0) * 1e3  # once: a 32k CPU prefill takes minutes
+                reference = _next_logits(ctx, one, probe, n_doc)
+                for _ in range(args.trials):
+                    t0 = time.perf_counter()
+                    snap = Snapshot.capture(ctx, 0, pool=pool)
+                    out_ms = (time.perf_counter() - t0) * 1e3
+                    ctx.clear()
+                    t0 = time.perf_counter()
+                    snap.restore(ctx, 0)
+                    ctx.synchronize()
+                    in_kept_ms = (time.perf_counter() - t0) * 1e3
+                    exact = bool(np.array_equal(reference, _next_logits(ctx, one, probe, n_doc)))
+                    t0 = time.perf_counter()
+                    with Context(model, params) as fresh:
+                        snap.restore(fresh, 0)
+                        fresh.synchronize()
+                        in_fresh_ms = (time.perf_counter() - t0) * 1e3
+                    trials.append({"prefill_ms": prefill_ms, "swap_out_ms": out_ms, "swap_in_kept_ms": in_kept_ms,
+                                   "swap_in_fresh_ms": in_fresh_ms, "exact": exact, "nbytes": snap.nbytes,
+                                   "pinned": snap.pinned})
+                    snap.release()
+            med = {k: float(statistics.median(t[k] for t in trials)) for k in trials[0] if k.endswith("_ms")}
+            nbytes = trials[0]["nbytes"]
+            h2d = _pinned_h2d_ms(nbytes)
+            row = {"model": path.name, "doc_tokens": n_doc, "state_bytes": nbytes, "pinned": trials[0]["pinned"],
+                   "exact_all_trials": all(t["exact"] for t in trials), **med,
+                   "swap_in_gbps": nbytes / med["swap_in_kept_ms"] / 1e6,
+                   "reprefill_over_swap_in": med["prefill_ms"] / med["swap_in_kept_ms"],
+                   "pinned_h2d_ms": h2d, "swap_in_over_h2d": (med["swap_in_kept_ms"] / h2d) if h2d else None,
+                   "trials": trials}
+            rows.append(row)
+            _log(f"swap {path.name} {n_doc} tok: state {nbytes / 1e6:.1f} MB, prefill {med['prefill_ms']:.1f} ms, "
+                 f"out {med['swap_out_ms']:.1f} ms, in (kept ctx) {med['swap_in_kept_ms']:.1f} ms, in (fresh ctx) "
+                 f"{med['swap_in_fresh_ms']:.1f} ms, re-prefill/swap-in {row['reprefill_over_swap_in']:.1f}x, exact "
+                 f"{row['exact_all_trials']}" + (f", pinned H2D {h2d:.1f} ms -> {row['swap_in_over_h2d']:.2f}x"
+                                                   if h2d else ""))
+    return {"rows": rows}
+
+
+def _next_logits(ctx: Context, batch: Batch, token: list[int], pos: int) -> np.ndarray:
+    """Logits of one probe token decoded after the document, then the probe is removed again."""
+    batch.clear()
+    batch.add(token[0], pos, 0, logits=True)
+    ctx.decode(batch)
+    logits = ctx.logits(0)
+    ctx.seq_rm(0, pos, -1)
+    return logits
+
+
+# -- (c) time-slicing ------------------------------------------------------------------------------
+def timeslice(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
+    shapes = [ModelShape.read(p) for p in paths]
+    on_gpu = DeviceMeter.gpu_present()
+    if on_gpu:
+        _warm_device(paths[-1], args.threads)
+    weights = sum(s.weight_bytes(on_gpu=on_gpu) for s in shapes)
+    per_ctx = max(context_estimate(s, args.agent_ctx).total_bytes for s in shapes)
+    budget = weights + args.live * per_ctx
+    if args.capacity_bytes is not None:
+        budget = min(budget, args.capacity_bytes)
+    assignment = [(f"agent{i:02d}", paths[i % len(paths)]) for i in range(args.agents)]
+    prompts = [f" Turn {r}: the fox says" for r in range(args.requests)]
+    _log(f"timeslice: {args.agents} agents over {len(paths)} models, {args.requests} requests x {args.gen_tokens} "
+         f"tokens each, budget {budget / 2**20:.1f} MiB ({args.live} live contexts)")
+
+    ledger = VramLedger(budget)
+    with Scheduler(ledger, n_threads=args.threads) as sched:
+        for agent_id, path in assignment:
+            sched.register(agent_id, path, args.agent_ctx)
+        errors: list[BaseException] = []
+
+        def client(agent_id: str) -> None:
+            try:
+                for prompt in prompts:
+                    sched.decode(agent_id, prompt, args.gen_tokens)
+            except BaseException as exc:  # noqa: BLE001 — reported after the run
+                errors.append(exc)
+
+        threads = [threading.Thread(target=client, args=(a,)) for a, _ in assignment]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        if errors:
+            raise errors[0]
+        history = sched.history()
+        overall = sched.metrics()
+        per_agent = {a: sched.metrics(a)["latency_ms"] for a, _ in assignment}
+    tokens = sum(m.generated_tokens for m in history)
+    sliced_tps = tokens / wall
+    base_wall, base_tokens = _back_to_back(paths, assignment, prompts, args)
+    base_tps = base_tokens / base_wall
+    lat = overall["latency_ms"]
+    result = {
+        "agents": args.agents, "requests_per_agent": args.requests, "gen_tokens": args.gen_tokens,
+        "live_contexts": args.live, "budget_bytes": budget, "wall_s": wall, "tokens": tokens,
+        "tokens_per_s": sliced_tps, "back_to_back_wall_s": base_wall, "back_to_back_tokens_per_s": base_tps,
+        "throughput_ratio": sliced_tps / base_tps, "latency_ms": lat, "p99_over_p50": lat["p99"] / lat["p50"],
+        "queue_wait_ms": overall["queue_wait_ms"], "swap_in_ms": overall["swap_in_ms"],
+        "swap_outs": overall["swap_outs"], "swap_ins": overall["swap_ins"],
+        "swap_in_bytes": overall["swap_in_bytes"], "per_agent_latency_ms": per_agent,
+        "per_agent_p50_spread": max(v["p50"] for v in per_agent.values()) / min(v["p50"] for v in per_agent.values()),
+        "requests": [vars(m) for m in history],
+    }
+    _log(f"  time-sliced {sliced_tps:.1f} tok/s vs back-to-back {base_tps:.1f} tok/s "
+         f"({result['throughput_ratio']:.3f}); latency p50 {lat['p50']:.1f} p95 {lat['p95']:.1f} p99 {lat['p99']:.1f} "
+         f"ms (p99/p50 {result['p99_over_p50']:.2f}); {overall['swap_ins']} swap-ins")
+    return result
+
+
+def _warm_device(path: Path, threads: int | None) -> None:
+    """Create the process's CUDA context and library handles before anything is measured, so the
+    first model's measured load is its weights and not the runtime's one-time overhead."""
+    with Model(path) as model, Context(model, ContextParams(n_ctx=256, n_threads=threads)) as ctx:
+        generate(ctx, "warm", GenerationParams(max_tokens=2))
+
+
+def _back_to_back(paths: list[Path], assignment: list[tuple[str, Path]], prompts: list[str],
+                  args: argparse.Namespace) -> tuple[float, int]:
+    """The same requests, agent after agent, nothing swapped: the best case without time-slicing.
+
+    One context per model is created before the clock starts and cleared between agents,
+    so the baseline pays neither context creation nor any state copy.
+    """
+    params = ContextParams(n_ctx=args.agent_ctx, n_batch=min(512, args.agent_ctx),
+                           n_ubatch=min(512, args.agent_ctx), n_threads=args.threads)
+    models = {p: Model(p) for p in paths}
+    try:
+        contexts = {p: Context(m, params) for p, m in models.items()}
+        tokens = 0
+        t0 = time.perf_counter()
+        for _, path in assignment:
+            ctx = contexts[path]
+            ctx.clear()
+            for prompt in prompts:
+                tokens += len(generate(ctx, prompt, GenerationParams(max_tokens=args.gen_tokens)).tokens)
+        return time.perf_counter() - t0, tokens
+    finally:
+        for model in models.values():
+            model.close()  # closes its contexts first
+
+
+# -- driver ------------------------------------------------------------------------------------------
+def _plot(results: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if "swap" in results:
+        rows = results["swap"]["rows"]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        labels = [f"{r['doc_tokens']} tok" for r in rows]
+        x = np.arange(len(rows))
+        for i, (key, name) in enumerate((("prefill_ms", "re-prefill"), ("swap_in_kept_ms", "swap-in (kept ctx)"),
+                                         ("swap_in_fresh_ms", "swap-in (fresh ctx)"))):
+            ax.bar(x + (i - 1) * 0.27, [r[key] for r in rows], 0.27, label=name)
+        ax.set_xticks(x, labels)
+        ax.set_yscale("log")
+        ax.set_ylabel("ms (log)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "swap.png", dpi=120)
+        plt.close(fig)
+    if "timeslice" in results:
+        lat = sorted(r["latency_ms"] for r in results["timeslice"]["requests"])
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(lat, np.linspace(0, 1, len(lat)))
+        ax.set_xlabel("request latency, ms")
+        ax.set_ylabel("fraction of requests")
+        ax.set_title(f"{results['timeslice']['agents']} agents time-sliced")
+        fig.tight_layout()
+        fig.savefig(out / "timeslice_latency_cdf.png", dpi=120)
+        plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out) / "agents"
+    out.mkdir(parents=True, exist_ok=True)
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise KvrtError(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    paths = _models(args, out)
+    results: dict[str, Any] = {"machine": {"python": platform.python_version(), "node": platform.node(),
+                                           "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                           "gpu": DeviceMeter.gpu_present(), "argv": sys.argv[1:]}}
+    for part in parts:
+        results[part] = {"coresidence": coresidence, "swap": swap, "timeslice": timeslice}[part](args, paths)
+        (out / "agents.json").write_text(json.dumps(results, indent=1, default=str))
+    _plot(results, out)
+    print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("requests", "per_agent_latency_ms", "kvrt")}
+                      if isinstance(v, dict) else v for k, v in results.items()}, indent=1, default=str))
+    return 0
