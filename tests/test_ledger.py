@@ -202,3 +202,29 @@ def test_bad_configuration_is_refused():
         VramLedger(10, admit_percent=0)
     with pytest.raises(LedgerError, match="capacity_bytes"):
         VramLedger(-5)
+
+
+@pytest.mark.gpu
+def test_nvml_ledger_on_a_real_gpu():
+    """The default ledger reads the card: cap = 90% of total, reconciliation fills the drift report."""
+    import pynvml
+
+    ledger = VramLedger()
+    pynvml.nvmlInit()
+    total = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total
+    assert ledger.max_bytes == int(total * 0.9)
+    held = ledger.try_reserve(1 << 30, "pool:test")
+    snap = ledger.reconcile()
+    assert snap.device is not None and snap.device.total_bytes == total and snap.reconciliations == 1
+    assert snap.drift_bytes == snap.device.used_bytes - snap.external_bytes - (1 << 30)
+    ledger.release(held)
+    ledger.close()
+
+
+def test_no_gpu_needs_a_configured_capacity():
+    from kvrt.ledger import NvmlProbe
+
+    if NvmlProbe.available():
+        pytest.skip("NVML sees a GPU here")
+    with pytest.raises(LedgerError, match="capacity_bytes"):
+        VramLedger()

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Admission control and time-slicing (issue 4, seed 003's lmxd) on the H200. Models: $MODELS/qwen2.5-7b.gguf
+# (Qwen2.5-7B shape, F16, random weights), $MODELS/llama3.2-1b.gguf, and the tiny preset written here.
+# Writes $RESULTS/agents/. Budget: ~120 s of wall time. Measures, in this order (each with its own timeout):
+#   1. swap round trip of a 7B-shaped agent holding 4096 and 32768 tokens (`kvrt bench agents --parts swap`):
+#      re-prefill vs swap-out (capture into the pinned host pool) vs swap-in (restore into the kept context,
+#      and into a fresh one), next-token logits compared bit for bit, and the plain pinned H2D copy of the
+#      same bytes (CuPy, CUDA events) as the transfer floor.          -> swap/agents/agents.json, swap.png
+#   2. 50 agents over the three models, closed loop, ledger budget = weights + 6 live contexts (so agents
+#      swap), vs the same requests back to back in one context per model, nothing swapped.
+#                                                                    -> timeslice/agents/agents.json, latency CDF
+#   3. co-residence: each model asks for a context whose KV is 45% of the ledger cap (90% of the H200):
+#      naive independent model+context per agent, all alive (later ones should fail in cudaMalloc), then
+#      kvrt registering all three and decoding each twice.            -> coresidence/agents/agents.json
+#   4. the issue-4 tests on this machine: with CUDA hidden (CPU semantics, Python 3.12) and the gpu-marked
+#      ones on the real device (NVML ledger).                         -> pytest-*.log
+# What to check: swap rows doc_tokens=32768: exact_all_trials true, pinned true, swap_in_over_h2d <= 1.3
+# (target ~33 ms for ~1.8 GB), reprefill_over_swap_in (re-prefill ~2,070 ms); timeslice: throughput_ratio
+# >= 0.90 and p99_over_p50 <= 3; coresidence: naive.agents_ok < 3 and kvrt_agents_admitted == 3, with the
+# ERR/OK accounting per step; pytest logs all passed.
+set -uo pipefail
+OUT_DIR="${RESULTS:-/tmp/kvrt-results}/agents"
+QWEN="$MODELS/qwen2.5-7b.gguf"
+LLAMA="$MODELS/llama3.2-1b.gguf"
+TINY="$OUT_DIR/tiny.gguf"
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci
+for m in "$QWEN" "$LLAMA"; do [ -f "$m" ] || { echo "missing $m"; exit 1; }; done
+python3 tools/make_test_model.py --preset tiny --out "$TINY" > /dev/null || { echo "cannot write $TINY"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
+
+part() {  # name, timeout, args...
+  local name=$1 limit=$2; shift 2
+  local t=$SECONDS
+  timeout "$limit" python3 -m kvrt.cli bench agents --out "$OUT_DIR/$name" --parts "$name" "$@" \
+    > "$OUT_DIR/$name.log" 2>&1
+  echo "agents $name: rc=$? in $((SECONDS - t)) s"
+  grep -v '^[ {}]' "$OUT_DIR/$name.log" | tail -n 8
+}
+part swap 40 --swap-model "$QWEN" --models "$QWEN,$LLAMA,$TINY" --swap-docs 4096,32768 --trials 3
+part timeslice 32 --models "$QWEN,$LLAMA,$TINY" --agents 50 --requests 3 --gen-tokens 12 --live 6 --agent-ctx 1024
+part coresidence 25 --models "$QWEN,$LLAMA,$TINY" --huge-fraction 0.45
+
+t=$SECONDS
+CUDA_VISIBLE_DEVICES= timeout 20 python3 tools/pytest_llama_first.py -p no:cacheprovider -q -x \
+  tests/test_ledger.py tests/test_daemon.py tests/test_scheduler.py bench/bench_ledger.py --benchmark-disable \
+  > "$OUT_DIR/pytest-cpu.log" 2>&1
+echo "pytest issue-4 (CUDA hidden): rc=$? in $((SECONDS - t)) s: $(tail -n 1 "$OUT_DIR/pytest-cpu.log")"
+timeout 10 python3 tools/pytest_llama_first.py -p no:cacheprovider -q -m gpu -rs tests/test_ledger.py \
+  > "$OUT_DIR/pytest-gpu.log" 2>&1
+echo "pytest issue-4 -m gpu: rc=$? $(tail -n 1 "$OUT_DIR/pytest-gpu.log")"
+echo "agents step done in $SECONDS s"
