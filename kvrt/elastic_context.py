@@ -2,8 +2,8 @@
 
 llama.cpp allocates KV for all of ``n_ctx`` when a context is created (seed 003: 6.5 GiB
 for one small model at n_ctx=172032). An :class:`ElasticContext` starts at a small
-bucket and, when the sequence is about to outgrow it, moves the sequence state into a
-context of the next bucket (``llama_state_seq_get_data`` / ``_set_data``), growing
+bucket and, when the sequence is about to outgrow it (before a prompt, or when decoding
+reaches the end), moves the sequence state into a context of a larger bucket (``llama_state_seq_get_data`` / ``_set_data``), growing
 geometrically so the moves cost O(final size) in total. ``shrink_to_fit`` moves it back
 down when idle and ``swap_out`` parks the state in host memory and frees the context.
 Every size change is charged to the ledger *before* the new context is created (the
@@ -202,10 +202,14 @@ class ElasticContext:
 
     # decoding -------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], *, progress: ProgressFn | None = None) -> int:
-        """Decode ``tokens`` after what the sequence holds, growing before each chunk; returns the logits row."""
+        """Decode ``tokens`` after what the sequence holds; returns the logits row.
+
+        The prompt's length is known, so the context grows once, before decoding it: one
+        move carrying only what the sequence already held, not one per bucket crossed.
+        """
         if not tokens:
             raise KvrtError("prefill needs at least one token")
-        self.bucket(self.n_tokens + len(tokens))  # refuses past max_ctx before decoding anything
+        self.ensure(self.n_tokens + len(tokens))  # also refuses past max_ctx before decoding anything
         total, row, begin = len(tokens), -1, 0
         with Batch(self._params.n_batch) as batch:
             while begin < total:

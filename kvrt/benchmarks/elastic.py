@@ -28,10 +28,12 @@ never serve (a model whose max KV exceeds the cap) are counted as unserved. Idle
 static maxima fit the cap vs how many idle elastic tenants (0 pages each) were
 reserved side by side (up to ``--idle-probe``).
 
-``--part c`` (CPU or GPU): the same agent in an :class:`kvrt.elastic_context.ElasticContext`
-(grows from 256 cells) and in a fixed context of the elastic one's final size: greedy
-tokens (must be equal), time per generated token, and the growth moves' total time
-against the prefill they accompany.
+``--part c`` (CPU or GPU): the same two-turn agent (a quarter of ``--prompt-tokens``,
+then the rest, ``--gen-tokens`` generated after each) in an
+:class:`kvrt.elastic_context.ElasticContext` (starts at 256 cells; turn 2's growth moves
+turn 1's state) and in a fixed context of the elastic one's final size: greedy tokens
+(must be equal), time per generated token, and the growth moves' total time against
+the prefill they accompany.
 
 ``--driver host`` runs parts a and b on :class:`kvrt.vmm.HostDriver` to check the
 harness on a CPU machine; its times are not GPU results.
@@ -496,35 +498,43 @@ def part_c(args: argparse.Namespace) -> dict[str, Any]:
     prompt = [int(t) for t in rng.integers(3, min(model.n_vocab, 32000), args.prompt_tokens)]
     prompt[0] = 1  # BOS
     params = GenerationParams(max_tokens=args.gen_tokens)
+    split = max(1, args.prompt_tokens // 4)
+    turns = [prompt[:split], prompt[split:]]  # turn 2's growth carries turn 1's state
     runs: dict[str, list[dict[str, float]]] = {"fixed": [], "elastic": []}
-    tokens: dict[str, list[int]] = {}
+    tokens: dict[str, list[list[int]]] = {}
+
+    def two_turns(arm: str, complete: Any) -> None:
+        prefill_ms = decode_ms = 0.0
+        generated: list[list[int]] = []
+        t0 = time.perf_counter()
+        for turn in turns:
+            done = complete(turn)
+            prefill_ms += done.timings_ms["prefill_ms"]
+            decode_ms += done.timings_ms["decode_ms"]
+            generated.append(done.tokens)
+        tokens[arm] = generated
+        n = max(sum(len(g) for g in generated), 1)
+        runs[arm].append({"prefill_ms": prefill_ms, "ms_per_token": decode_ms / n,
+                          "total_ms": (time.perf_counter() - t0) * 1e3})
+
     final_ctx = 0
     for _ in range(args.repeats):
-        with ElasticContext(model, max_ctx=1 << 20 if not final_ctx else final_ctx, min_ctx=256) as agent:
-            t0 = time.perf_counter()
-            done = agent.generate(prompt, params)
-            total = time.perf_counter() - t0
-            growth = sum(r.seconds for r in agent.resizes)
+        with ElasticContext(model, max_ctx=final_ctx or (1 << 20), min_ctx=256) as agent:
+            two_turns("elastic", lambda turn: agent.generate(turn, params))
             final_ctx = agent.n_ctx
-            tokens["elastic"] = done.tokens
-            runs["elastic"].append({"prefill_ms": done.timings_ms["prefill_ms"], "growth_ms": growth * 1e3,
-                                    "moves": len(agent.resizes),
-                                    "ms_per_token": done.timings_ms["decode_ms"] / max(len(done.tokens), 1),
-                                    "total_ms": total * 1e3})
+            runs["elastic"][-1].update(growth_ms=sum(r.seconds for r in agent.resizes) * 1e3,
+                                       moves=len(agent.resizes),
+                                       moved_state_mb=sum(r.state_bytes for r in agent.resizes) / 1e6)
         with Context(model, n_ctx=final_ctx) as ctx:
-            t0 = time.perf_counter()
-            done = generate(ctx, prompt, params)
-            total = time.perf_counter() - t0
-            tokens["fixed"] = done.tokens
-            runs["fixed"].append({"prefill_ms": done.timings_ms["prefill_ms"], "growth_ms": 0.0, "moves": 0,
-                                  "ms_per_token": done.timings_ms["decode_ms"] / max(len(done.tokens), 1),
-                                  "total_ms": total * 1e3})
+            two_turns("fixed", lambda turn: generate(ctx, turn, params))
+            runs["fixed"][-1].update(growth_ms=0.0, moves=0, moved_state_mb=0.0)
     model.close()
     med = {arm: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}
     best = {arm: {k: min(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}  # least disturbed run
     e, f = med["elastic"], med["fixed"]
     result = {
-        "model": Path(path).name, "prompt_tokens": args.prompt_tokens, "gen_tokens": len(tokens["fixed"]),
+        "model": Path(path).name, "turn_prompt_tokens": [len(t) for t in turns],
+        "gen_tokens": [len(g) for g in tokens["fixed"]],
         "final_ctx": final_ctx, "tokens_equal": tokens["fixed"] == tokens["elastic"], "median": med, "runs": runs,
         "tpot_ratio_elastic_over_fixed": e["ms_per_token"] / f["ms_per_token"],
         "growth_over_prefill": e["growth_ms"] / f["prefill_ms"],
