@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrt.errors import ContextError, KvrtError, ModelLoadError
+from kvrt.estimate import EstimateError
 from kvrt.ledger import LedgerDenied
 from kvrt.protocol import (HELP_LINES, MAX_LINE, SCHEMA, Command, ProtocolError, error_line, ok_line, parse_line,
                            reply, response_block)
@@ -87,7 +88,7 @@ class Handler:
             return [exc.reply()]
         except (ProtocolError, SchedulerError) as exc:
             return [error_line(exc.code, str(exc))]
-        except ModelLoadError as exc:
+        except (ModelLoadError, EstimateError) as exc:
             return [error_line("MODEL_LOAD", str(exc))]
         except ContextError as exc:
             return [error_line("CONTEXT", str(exc))]

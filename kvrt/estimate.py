@@ -179,38 +179,41 @@ def context_estimate(shape: ModelShape, n_ctx: int, n_ubatch: int = 512) -> Esti
     return Estimate(0, shape.kv_bytes(n_ctx), shape.compute_bytes(min(n_ubatch, n_ctx)), "derived")
 
 
+def _gpu_devices() -> list[object]:
+    """llama.cpp's GPU devices (ggml backend devices of type gpu or igpu)."""
+    from kvrt.bindings import DEVICE_TYPES, ggml
+
+    g = ggml()
+    devices = (g.ggml_backend_dev_get(i) for i in range(g.ggml_backend_dev_count()))
+    return [d for d in devices if DEVICE_TYPES.get(g.ggml_backend_dev_type(d)) in ("gpu", "igpu")]
+
+
 class DeviceMeter:
     """Free memory of the GPU devices llama.cpp uses, read before and after a step.
 
     ``delta()`` is what the step took, or ``None`` where llama.cpp has no GPU device
-    (then nothing can be measured and the derived estimate stands).
+    (then nothing can be measured and the derived estimate stands). The reading is
+    device-wide: another process allocating meanwhile would be counted too, which the
+    ledger's reconciliation then shows as drift.
     """
 
     def __init__(self) -> None:
-        from kvrt.bindings import DEVICE_TYPES, ffi, ggml
-
-        g = ggml()
-        self._devices = [g.ggml_backend_dev_get(i) for i in range(g.ggml_backend_dev_count())
-                         if DEVICE_TYPES.get(g.ggml_backend_dev_type(g.ggml_backend_dev_get(i))) in ("gpu", "igpu")]
-        self._ffi = ffi
-        self._ggml = g
+        self._devices = _gpu_devices()
         self._before = self._free()
 
     @staticmethod
     def gpu_present() -> bool:
-        from kvrt.bindings import DEVICE_TYPES, ggml
-
-        g = ggml()
-        return any(DEVICE_TYPES.get(g.ggml_backend_dev_type(g.ggml_backend_dev_get(i))) in ("gpu", "igpu")
-                   for i in range(g.ggml_backend_dev_count()))
+        return bool(_gpu_devices())
 
     def _free(self) -> int | None:
         if not self._devices:
             return None
-        free, total = self._ffi.new("size_t *"), self._ffi.new("size_t *")
+        from kvrt.bindings import ffi, ggml
+
+        free, total = ffi.new("size_t *"), ffi.new("size_t *")
         out = 0
         for device in self._devices:
-            self._ggml.ggml_backend_dev_memory(device, free, total)
+            ggml().ggml_backend_dev_memory(device, free, total)
             out += int(free[0])
         return out
 

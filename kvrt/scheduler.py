@@ -26,6 +26,7 @@ decode at a time anyway); other threads only enqueue and wait on futures.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import threading
 import time
@@ -48,6 +49,7 @@ from kvrt.sampling import SamplingParams
 from kvrt.snapshot import Snapshot
 
 T = TypeVar("T")
+log = logging.getLogger("kvrt.scheduler")
 AGENT_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-:@")
 MAX_AGENT_ID = 64
 HISTORY = 100_000  # request metrics kept per scheduler for percentiles
@@ -71,9 +73,13 @@ class SchedulerClosed(SchedulerError):
     code = "SHUTTING_DOWN"
 
 
+class InvalidArgument(SchedulerError):
+    code = "BAD_ARGS"
+
+
 def check_agent_id(agent_id: str) -> str:
     if not isinstance(agent_id, str) or not 0 < len(agent_id) <= MAX_AGENT_ID or not set(agent_id) <= AGENT_ID_CHARS:
-        raise SchedulerError(f"agent id must be 1..{MAX_AGENT_ID} characters of [A-Za-z0-9_.:@-], got {agent_id!r}")
+        raise InvalidArgument(f"agent id must be 1..{MAX_AGENT_ID} characters of [A-Za-z0-9_.:@-], got {agent_id!r}")
     return agent_id
 
 
@@ -189,7 +195,7 @@ class Scheduler:
         """
         check_agent_id(agent_id)
         if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx <= 0:
-            raise SchedulerError(f"n_ctx must be a positive integer, got {n_ctx!r}")
+            raise InvalidArgument(f"n_ctx must be a positive integer, got {n_ctx!r}")
         return self._call(lambda: self._register(agent_id, model_path, n_ctx))
 
     def unregister(self, agent_id: str) -> None:
@@ -302,7 +308,10 @@ class Scheduler:
                                 key=lambda a: (a.served_tokens, a.last_used))
                     request = agent.queue.popleft()
                     job = lambda agent=agent, request=request: self._serve(agent, request)
-            job()
+            try:
+                job()
+            except BaseException:  # a bug in one job must not stop every agent's queue
+                log.exception("scheduler job failed")
 
     def _serve(self, agent: _Agent, request: _Request) -> None:
         if not request.future.set_running_or_notify_cancel():

@@ -159,6 +159,23 @@ def test_bad_clients_get_err_lines_and_others_keep_their_state(daemon, tiny_mode
         assert [a["agent"] for a in good.list()] == ["keep"]
 
 
+def test_refused_registrations_name_the_problem(daemon, tiny_model_path, sock_dir):
+    with Client(daemon.path) as client:
+        for line, code in [(f"REGISTER a {sock_dir}/missing.gguf", "MODEL_LOAD"),
+                           (f"REGISTER bad/id {tiny_model_path}", "BAD_ARGS"),
+                           ("UNREGISTER ghost", "UNKNOWN_AGENT"), ("FORK ghost b", "UNKNOWN_AGENT"),
+                           ("METRICS ghost", "UNKNOWN_AGENT")]:
+            with pytest.raises(DaemonReplyError) as info:
+                client.request(line)
+            assert info.value.code == code, line
+        client.register("a", tiny_model_path, N_CTX)
+        with pytest.raises(DaemonReplyError, match="AGENT_EXISTS"):
+            client.register("a", tiny_model_path, N_CTX)
+        with pytest.raises(DaemonReplyError, match="exceeds"):  # prompt + n_tokens past the context
+            client.decode("a", "x", 100_000)
+        assert client.status()["ledger_allocated_bytes"] != "0"
+
+
 def test_many_clients_at_once(daemon, tiny_model_path):
     with Client(daemon.path) as setup:
         for i in range(4):
