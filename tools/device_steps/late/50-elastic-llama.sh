@@ -3,9 +3,9 @@
 # Llama-3.2-1B-shaped F16 model (random weights; budget ~60 s): the same two-turn greedy agent
 # (1,950-token prompt, 128 generated, then 5,850 more prompt tokens, 128 generated) in an
 # ElasticContext that starts at 256 cells and grows by moving its sequence state through a
-# pinned host buffer (256 -> 2048 -> 4096 -> 8192), and in a fixed 8192-cell context. Look for: "tokens equal: True"; ms/token ratio
-# elastic/fixed (target within 2%); growth moves' total time as a share of the prefill
-# (target < 5%). Also the CPU-run test of token equality, on the GPU build.
+# pinned host buffer (256 -> 2048 -> 4096 -> 8192), and in a fixed 8192-cell context.
+# Look for: "tokens equal: True"; the ms/token ratio elastic/fixed (target within 2%); the
+# growth moves' total time as a share of the prefill (target < 5%). Also the CPU-run test of token equality, on the GPU build.
 # Writes everything under $RESULTS/elastic/.
 set -uo pipefail
 out="${RESULTS:-/tmp/kvrt-results}/elastic"
