@@ -251,7 +251,11 @@ class CudaDriver:
     """
 
     def __init__(self, device: int = 0) -> None:
-        from cuda.bindings import driver as cu
+        try:
+            from cuda.bindings import driver as cu
+        except ImportError as exc:
+            raise VmmError("CudaDriver", "cuda.bindings is not importable (install kvrt[cuda]); "
+                           "on a machine without a GPU use kvrt.vmm.HostDriver") from exc
 
         self._cu = cu
         self.device = device
