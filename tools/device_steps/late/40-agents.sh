@@ -9,7 +9,7 @@
 #   2. 50 agents over the three models, closed loop, ledger budget = weights + 6 live contexts (so agents
 #      swap), vs the same requests back to back in one context per model, nothing swapped.
 #                                                                    -> timeslice/agents/agents.json, latency CDF
-#   3. co-residence: each model asks for a context whose KV is 45% of the ledger cap (90% of the H200):
+#   3. co-residence: each model asks for a context whose KV is 60% of the ledger cap (90% of the H200):
 #      naive independent model+context per agent, all alive (later ones should fail in cudaMalloc), then
 #      kvrt registering all three and decoding each twice.            -> coresidence/agents/agents.json
 #   4. the issue-4 tests on this machine: with CUDA hidden (CPU semantics, Python 3.12) and the gpu-marked
@@ -39,7 +39,7 @@ part() {  # name, timeout, args...
 }
 part swap 40 --swap-model "$QWEN" --models "$QWEN,$LLAMA,$TINY" --swap-docs 4096,32768 --trials 3
 part timeslice 32 --models "$QWEN,$LLAMA,$TINY" --agents 50 --requests 3 --gen-tokens 12 --live 6 --agent-ctx 1024
-part coresidence 25 --models "$QWEN,$LLAMA,$TINY" --huge-fraction 0.45
+part coresidence 25 --models "$QWEN,$LLAMA,$TINY" --huge-fraction 0.6
 
 t=$SECONDS
 CUDA_VISIBLE_DEVICES= timeout 20 python3 tools/pytest_llama_first.py -p no:cacheprovider -q -x \
