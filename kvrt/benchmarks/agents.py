@@ -267,6 +267,9 @@ def timeslice(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
     with Scheduler(ledger, n_threads=args.threads) as sched:
         for agent_id, path in assignment:
             sched.register(agent_id, path, args.agent_ctx)
+        # the baseline borrows the registry's models (loaded once) while the scheduler is idle
+        base_wall, base_tokens = _back_to_back({e.path: e.model for e in sched.registry.models()},
+                                               assignment, prompts, args)
         errors: list[BaseException] = []
 
         def client(agent_id: str) -> None:
@@ -290,7 +293,6 @@ def timeslice(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
         per_agent = {a: sched.metrics(a)["latency_ms"] for a, _ in assignment}
     tokens = sum(m.generated_tokens for m in history)
     sliced_tps = tokens / wall
-    base_wall, base_tokens = _back_to_back(paths, assignment, prompts, args)
     base_tps = base_tokens / base_wall
     lat = overall["latency_ms"]
     result = {
@@ -317,29 +319,31 @@ def _warm_device(path: Path, threads: int | None) -> None:
         generate(ctx, "warm", GenerationParams(max_tokens=2))
 
 
-def _back_to_back(paths: list[Path], assignment: list[tuple[str, Path]], prompts: list[str],
+def _back_to_back(models: dict[Path, Model], assignment: list[tuple[str, Path]], prompts: list[str],
                   args: argparse.Namespace) -> tuple[float, int]:
     """The same requests, agent after agent, nothing swapped: the best case without time-slicing.
 
-    One context per model is created before the clock starts and cleared between agents,
-    so the baseline pays neither context creation nor any state copy.
+    One context per model is created and warmed by one generation before the clock
+    starts, and cleared between agents, so the baseline pays neither context creation
+    nor any state copy.
     """
     params = ContextParams(n_ctx=args.agent_ctx, n_batch=min(512, args.agent_ctx),
                            n_ubatch=min(512, args.agent_ctx), n_threads=args.threads)
-    models = {p: Model(p) for p in paths}
+    contexts = {path: Context(model, params) for path, model in models.items()}
     try:
-        contexts = {p: Context(m, params) for p, m in models.items()}
+        for ctx in contexts.values():
+            generate(ctx, prompts[0], GenerationParams(max_tokens=2))
         tokens = 0
         t0 = time.perf_counter()
         for _, path in assignment:
-            ctx = contexts[path]
+            ctx = contexts[path.resolve()]
             ctx.clear()
             for prompt in prompts:
                 tokens += len(generate(ctx, prompt, GenerationParams(max_tokens=args.gen_tokens)).tokens)
         return time.perf_counter() - t0, tokens
     finally:
-        for model in models.values():
-            model.close()  # closes its contexts first
+        for ctx in contexts.values():
+            ctx.close()
 
 
 # -- driver ------------------------------------------------------------------------------------------

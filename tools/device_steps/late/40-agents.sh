@@ -38,11 +38,11 @@ part() {  # name, timeout, args...
   grep -v '^[ {}]' "$OUT_DIR/$name.log" | tail -n 8
 }
 part swap 40 --swap-model "$QWEN" --models "$QWEN,$LLAMA,$TINY" --swap-docs 4096,32768 --trials 3
-part timeslice 32 --models "$QWEN,$LLAMA,$TINY" --agents 50 --requests 3 --gen-tokens 12 --live 6 --agent-ctx 1024
+part timeslice 30 --models "$QWEN,$LLAMA,$TINY" --agents 50 --requests 3 --gen-tokens 12 --live 6 --agent-ctx 1024
 part coresidence 25 --models "$QWEN,$LLAMA,$TINY" --huge-fraction 0.6
 
 t=$SECONDS
-CUDA_VISIBLE_DEVICES= timeout 20 python3 tools/pytest_llama_first.py -p no:cacheprovider -q -x \
+CUDA_VISIBLE_DEVICES= timeout 25 python3 tools/pytest_llama_first.py -p no:cacheprovider -q -x \
   tests/test_ledger.py tests/test_daemon.py tests/test_scheduler.py bench/bench_ledger.py --benchmark-disable \
   > "$OUT_DIR/pytest-cpu.log" 2>&1
 echo "pytest issue-4 (CUDA hidden): rc=$? in $((SECONDS - t)) s: $(tail -n 1 "$OUT_DIR/pytest-cpu.log")"
