@@ -3,7 +3,8 @@
 # (made by tools/prepare_device.sh). Usage:  bash tools/device_run.sh [early|late|all]
 #   early: install kvrt, build llama-cpp-python with CUDA in the background, generate the
 #          benchmark models, run the steps that need no llama.cpp (tools/device_steps/early/)
-#   late:  wait for the build, run every GPU-marked test and tools/device_steps/late/
+#   late:  wait for the build, run the llama.cpp GPU tests and tools/device_steps/late/
+#          (the streamer, elastic and ledger GPU tests run inside their own step scripts)
 # A machine kept warm between two calls keeps /tmp, so `early` then `late` build once.
 # Everything lands in $RESULTS and is packed into $OUT/results.tgz (+ $OUT/summary.txt).
 set -uo pipefail
@@ -85,7 +86,7 @@ case "$phase" in
     build_llama ;;
 esac
 python3 tools/probe_import_order.py > "$RESULTS/import-order.log" 2>&1; note "import-order probe: $(tail -n 3 "$RESULTS/import-order.log" | tr '\n' ' ')"
-timeout "${PYTEST_TIMEOUT:-300}" python3 tools/pytest_llama_first.py -m gpu -p no:cacheprovider --continue-on-collection-errors -q -rs ${GPU_TESTS:-tests bench} > "$RESULTS/pytest-gpu.log" 2>&1
+timeout "${PYTEST_TIMEOUT:-300}" python3 tools/pytest_llama_first.py -m gpu -p no:cacheprovider --continue-on-collection-errors -q -rs ${GPU_TESTS:-tests/test_gpu_foundation.py tests/test_snapshot.py} > "$RESULTS/pytest-gpu.log" 2>&1
 note "pytest -m gpu: rc=$? $(tail -n 1 "$RESULTS/pytest-gpu.log")"
 [ -n "${SKIP_STEPS:-}" ] || run_steps late
 [ -z "${EXPORT_LLAMA:-}" ] || export_llama

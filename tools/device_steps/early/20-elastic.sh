@@ -14,7 +14,7 @@
 set -uo pipefail
 out="${RESULTS:-/tmp/kvrt-results}/elastic"
 mkdir -p "$out"
-timeout 55 python3 -m pytest -q -p no:cacheprovider -rs tests/test_elastic_kv.py \
+timeout 55 python3 tools/pytest_llama_first.py -q -p no:cacheprovider -rs tests/test_elastic_kv.py \
   tests/test_elastic.py::test_cuda_pool_grows_shrinks_and_views_as_cupy > "$out/pytest-elastic-gpu.log" 2>&1
 echo "pytest elastic (gpu): rc=$? $(tail -n 1 "$out/pytest-elastic-gpu.log")"
 timeout 20 python3 -m kvrt.cli bench elastic --part a --pages 400 --out "$out" 2>&1 | tee "$out/part-a.log"

@@ -22,7 +22,7 @@ mkdir -p "$OUTDIR"
 python3 -c "import cupy; from kvrt.hostpool import HostPool; print('host pool pinned:', HostPool().pinned)" \
   2>&1 | tee "$OUTDIR/hostpool.txt"
 
-KVRT_BENCH_MODEL="$MODEL" KVRT_BENCH_DOC_TOKENS=3501 timeout 45 python3 -m pytest bench/bench_snapshot.py -q \
+KVRT_BENCH_MODEL="$MODEL" KVRT_BENCH_DOC_TOKENS=3501 timeout 45 python3 tools/pytest_llama_first.py bench/bench_snapshot.py -q \
   -p no:cacheprovider --benchmark-enable --benchmark-min-rounds=5 --benchmark-max-time=0.3 \
   --benchmark-columns=min,median,max,rounds --benchmark-json "$OUTDIR/bench_snapshot.json" \
   2>&1 | tail -n 20 | tee "$OUTDIR/bench_snapshot.txt"
