@@ -17,7 +17,8 @@ by side as the transfer floor.
 
 ``timeslice``: ``--agents`` agents spread over the three models, each sending
 ``--requests`` requests in a closed loop (next one when the previous answers), a
-ledger budget that keeps only ``--live`` contexts alive, so agents are swapped. Compared
+ledger budget that keeps only ``--live`` contexts alive, so agents are swapped;
+``--rounds`` alternates baseline and time-sliced runs and reports the medians. Compared
 with the same requests run back to back, agent after agent, in one context per model created
 before the clock starts, nothing swapped. Reports aggregate tokens/s of both and p50/p95/p99 latency overall and per
 agent.
@@ -46,7 +47,7 @@ from kvrt.generation import GenerationParams, generate, prefill
 from kvrt.hostpool import HostPool
 from kvrt.ledger import LedgerDenied, NvmlProbe, VramLedger
 from kvrt.model import Model
-from kvrt.scheduler import Scheduler
+from kvrt.scheduler import Scheduler, percentiles
 from kvrt.snapshot import Snapshot
 from kvrt.testmodels import Shape, ensure_model, write_model
 
@@ -71,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-tokens", type=int, default=16)
     parser.add_argument("--live", type=int, default=6, help="timeslice: contexts the budget keeps alive")
     parser.add_argument("--agent-ctx", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=1, help="timeslice: alternating baseline/time-sliced rounds")
     parser.add_argument("--threads", type=int, default=None)
 
 
@@ -264,52 +266,78 @@ def timeslice(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
          f"tokens each, budget {budget / 2**20:.1f} MiB ({args.live} live contexts)")
 
     ledger = VramLedger(budget)
+    rounds: list[dict[str, float]] = []
     with Scheduler(ledger, n_threads=args.threads) as sched:
-        for agent_id, path in assignment:
-            sched.register(agent_id, path, args.agent_ctx)
-        # the baseline borrows the registry's models (loaded once) while the scheduler is idle
-        base_wall, base_tokens = _back_to_back({e.path: e.model for e in sched.registry.models()},
-                                               assignment, prompts, args)
-        errors: list[BaseException] = []
-
-        def client(agent_id: str) -> None:
-            try:
-                for prompt in prompts:
-                    sched.decode(agent_id, prompt, args.gen_tokens)
-            except BaseException as exc:  # noqa: BLE001 — reported after the run
-                errors.append(exc)
-
-        threads = [threading.Thread(target=client, args=(a,)) for a, _ in assignment]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
-        if errors:
-            raise errors[0]
+        for r in range(args.rounds):  # alternate, so load from other processes hits both sides alike
+            # fresh agents each round: both sides start from empty documents of the same length
+            agents = [(f"r{r}-{agent_id}", path) for agent_id, path in assignment]
+            for agent_id, path in agents:
+                sched.register(agent_id, path, args.agent_ctx)
+            models = {e.path: e.model for e in sched.registry.models()}  # the baseline borrows them while idle
+            base_wall, base_tokens = _back_to_back(models, agents, prompts, args)
+            wall, tokens = _closed_loop(sched, agents, prompts, args.gen_tokens)
+            ids = {agent_id for agent_id, _ in agents}
+            latency = percentiles([m.latency_ms for m in sched.history() if m.agent_id in ids])
+            for agent_id, _ in agents:
+                sched.unregister(agent_id)
+            rounds.append({"tokens_per_s": tokens / wall, "back_to_back_tokens_per_s": base_tokens / base_wall,
+                           "wall_s": wall, "back_to_back_wall_s": base_wall, "tokens": tokens,
+                           "latency_p50_ms": latency["p50"], "latency_p99_ms": latency["p99"],
+                           "p99_over_p50": latency["p99"] / latency["p50"]})
+            rounds[-1]["throughput_ratio"] = rounds[-1]["tokens_per_s"] / rounds[-1]["back_to_back_tokens_per_s"]
+            _log(f"  round {len(rounds)}: time-sliced {rounds[-1]['tokens_per_s']:.1f} tok/s, back to back "
+                 f"{rounds[-1]['back_to_back_tokens_per_s']:.1f} tok/s ({rounds[-1]['throughput_ratio']:.3f}); "
+                 f"latency p50 {latency['p50']:.1f} p99 {latency['p99']:.1f} ms")
         history = sched.history()
         overall = sched.metrics()
-        per_agent = {a: sched.metrics(a)["latency_ms"] for a, _ in assignment}
-    tokens = sum(m.generated_tokens for m in history)
-    sliced_tps = tokens / wall
-    base_tps = base_tokens / base_wall
+    by_agent: dict[str, list[float]] = {}
+    for m in history:
+        by_agent.setdefault(m.agent_id, []).append(m.latency_ms)
+    per_agent = {agent_id: percentiles(values) for agent_id, values in by_agent.items()}
+    sliced_tps = statistics.median(r["tokens_per_s"] for r in rounds)
+    base_tps = statistics.median(r["back_to_back_tokens_per_s"] for r in rounds)
     lat = overall["latency_ms"]
     result = {
         "agents": args.agents, "requests_per_agent": args.requests, "gen_tokens": args.gen_tokens,
-        "live_contexts": args.live, "budget_bytes": budget, "wall_s": wall, "tokens": tokens,
-        "tokens_per_s": sliced_tps, "back_to_back_wall_s": base_wall, "back_to_back_tokens_per_s": base_tps,
+        "live_contexts": args.live, "budget_bytes": budget, "rounds": rounds,
+        "tokens_per_s": sliced_tps, "back_to_back_tokens_per_s": base_tps,
         "throughput_ratio": sliced_tps / base_tps, "latency_ms": lat, "p99_over_p50": lat["p99"] / lat["p50"],
         "queue_wait_ms": overall["queue_wait_ms"], "swap_in_ms": overall["swap_in_ms"],
         "swap_outs": overall["swap_outs"], "swap_ins": overall["swap_ins"],
-        "swap_in_bytes": overall["swap_in_bytes"], "per_agent_latency_ms": per_agent,
+        "swap_in_bytes": overall["swap_in_bytes"],
+        "context_creations": sum(1 for m in history if m.context_ms > 0), "per_agent_latency_ms": per_agent,
         "per_agent_p50_spread": max(v["p50"] for v in per_agent.values()) / min(v["p50"] for v in per_agent.values()),
         "requests": [vars(m) for m in history],
     }
-    _log(f"  time-sliced {sliced_tps:.1f} tok/s vs back-to-back {base_tps:.1f} tok/s "
+    _log(f"  median time-sliced {sliced_tps:.1f} tok/s vs back-to-back {base_tps:.1f} tok/s "
          f"({result['throughput_ratio']:.3f}); latency p50 {lat['p50']:.1f} p95 {lat['p95']:.1f} p99 {lat['p99']:.1f} "
          f"ms (p99/p50 {result['p99_over_p50']:.2f}); {overall['swap_ins']} swap-ins")
     return result
+
+
+def _closed_loop(sched: Scheduler, assignment: list[tuple[str, Path]], prompts: list[str],
+                 gen_tokens: int) -> tuple[float, int]:
+    """Every agent on its own thread sends its prompts one after another; returns (wall s, tokens)."""
+    errors: list[BaseException] = []
+    tokens = [0] * len(assignment)
+
+    def client(i: int, agent_id: str) -> None:
+        try:
+            for prompt in prompts:
+                tokens[i] += len(sched.decode(agent_id, prompt, gen_tokens).tokens)
+        except BaseException as exc:  # noqa: BLE001 — re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i, a)) for i, (a, _) in enumerate(assignment)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return wall, sum(tokens)
 
 
 def _warm_device(path: Path, threads: int | None) -> None:
