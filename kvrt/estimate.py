@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvrt.errors import KvrtError
 
@@ -65,6 +67,86 @@ def load_vram_table(path: str | os.PathLike[str]) -> dict[str, int]:
     return parse_vram_table(text, source=str(path))
 
 
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def _read_gguf_header(path: Path) -> tuple[dict[str, object], dict[str, int], list[tuple[str, int]]]:
+    """Scalar metadata, array lengths and (tensor name, bytes) of a GGUF file, from its header alone.
+
+    Written here rather than using ``gguf.GGUFReader`` because that one materialises every
+    vocabulary string as a NumPy array (about 9 s for a 152k-token vocabulary on the
+    development machine); admission runs before every first load and must be cheap.
+    """
+    import gguf
+
+    try:
+        fh = path.open("rb")
+    except OSError as exc:
+        raise EstimateError(f"cannot read GGUF header of {path}: {exc}") from exc
+
+    def unpack(fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        data = fh.read(size)
+        if len(data) != size:
+            raise EstimateError(f"{path.name}: GGUF header is truncated at byte {fh.tell()}")
+        return struct.unpack(fmt, data)[0]
+
+    def string() -> str:
+        n = unpack("<Q")
+        if n > 1 << 24:
+            raise EstimateError(f"{path.name}: implausible GGUF string length {n} at byte {fh.tell()}")
+        return fh.read(n).decode("utf-8", "replace")
+
+    def skip(kind: int) -> None:
+        if kind == _STRING:
+            fh.seek(unpack("<Q"), os.SEEK_CUR)
+        elif kind in _SCALARS:
+            fh.seek(struct.calcsize(_SCALARS[kind]), os.SEEK_CUR)
+        else:
+            raise EstimateError(f"{path.name}: unknown GGUF value type {kind} inside an array")
+
+    with fh:
+        if fh.read(4) != b"GGUF":
+            raise EstimateError(f"{path.name} is not a GGUF file")
+        version, n_tensors, n_kv = unpack("<I"), unpack("<Q"), unpack("<Q")
+        if version < 2:
+            raise EstimateError(f"{path.name}: GGUF version {version} is not supported (2 or later)")
+        fields: dict[str, object] = {}
+        arrays: dict[str, int] = {}
+        for _ in range(n_kv):
+            key, kind = string(), unpack("<I")
+            if kind == _STRING:
+                fields[key] = string()
+            elif kind == _ARRAY:
+                item, count = unpack("<I"), unpack("<Q")
+                arrays[key] = count
+                if item in _SCALARS and item != _STRING:
+                    fh.seek(count * struct.calcsize(_SCALARS[item]), os.SEEK_CUR)
+                else:
+                    for _ in range(count):
+                        skip(item)
+            elif kind in _SCALARS:
+                fields[key] = unpack(_SCALARS[kind])
+            else:
+                raise EstimateError(f"{path.name}: unknown GGUF value type {kind} for {key!r}")
+        tensors = []
+        for _ in range(n_tensors):
+            name = string()
+            dims = [unpack("<Q") for _ in range(unpack("<I"))]
+            kind = unpack("<I")
+            unpack("<Q")  # data offset
+            try:
+                block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(kind)]
+            except (ValueError, KeyError):
+                raise EstimateError(f"{path.name}: tensor {name!r} has unknown ggml type {kind}") from None
+            elements = 1
+            for d in dims:
+                elements *= d
+            tensors.append((name, elements // block * type_size))
+    return fields, arrays, tensors
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """What a GGUF header says about memory: tensor bytes per layer and the KV geometry."""
@@ -84,45 +166,41 @@ class ModelShape:
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> ModelShape:
-        """Parse the header only (tensor data is memory-mapped, never read)."""
-        import gguf
-
+        """Parse the header only; tensor data is never touched."""
         path = Path(path).resolve()
-        try:
-            reader = gguf.GGUFReader(str(path))
-        except (OSError, ValueError) as exc:
-            raise EstimateError(f"cannot read GGUF header of {path}: {exc}") from exc
+        fields, arrays, tensors = _read_gguf_header(path)
 
         def field(key: str, default: int | None = None) -> int:
-            entry = reader.fields.get(key)
-            if entry is None:
+            value = fields.get(key)
+            if value is None:
                 if default is None:
                     raise EstimateError(f"{path.name}: GGUF metadata has no {key!r}")
                 return default
-            return int(entry.contents())
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise EstimateError(f"{path.name}: GGUF metadata {key!r} is {value!r}, not an integer")
+            return value
 
-        arch = str(reader.fields["general.architecture"].contents())
+        arch = str(fields.get("general.architecture", ""))
         n_layer = field(f"{arch}.block_count")
         n_embd = field(f"{arch}.embedding_length")
         n_head = field(f"{arch}.attention.head_count")
         n_head_kv = field(f"{arch}.attention.head_count_kv", n_head)
         head_dim = n_embd // n_head
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
         layer_bytes = [0] * n_layer
         host_only = other = 0
-        for tensor in reader.tensors:
-            match = _LAYER.match(tensor.name)
+        for name, nbytes in tensors:
+            match = _LAYER.match(name)
             if match and int(match.group(1)) < n_layer:
-                layer_bytes[int(match.group(1))] += int(tensor.n_bytes)
-            elif tensor.name in _HOST_ONLY:
-                host_only += int(tensor.n_bytes)
+                layer_bytes[int(match.group(1))] += nbytes
+            elif name in _HOST_ONLY:
+                host_only += nbytes
             else:
-                other += int(tensor.n_bytes)
+                other += nbytes
         return cls(
             path=path, arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
             key_length=field(f"{arch}.attention.key_length", head_dim),
             value_length=field(f"{arch}.attention.value_length", head_dim),
-            n_vocab=len(tokens.data) if tokens is not None else 0,
+            n_vocab=arrays.get("tokenizer.ggml.tokens", 0),
             layer_bytes=tuple(layer_bytes), host_only_bytes=host_only, other_bytes=other,
         )
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvrt.context import Context
 from kvrt.errors import ModelLoadError
-from kvrt.estimate import ModelShape, context_estimate, parse_vram_table, EstimateError
+from kvrt.estimate import EstimateError, ModelShape, context_estimate, parse_vram_table
 from kvrt.generation import GenerationParams, generate
 from kvrt.ledger import LedgerDenied, VramLedger
 from kvrt.model import Model
@@ -204,3 +204,21 @@ def test_kv_estimate_matches_llama_cpps_state_size(tiny_model, tiny_model_path):
     per_token = (b - a) / (n_b - n_a)
     cell_metadata = 12  # position + sequence count + sequence id stored per cell
     assert per_token == shape.kv_bytes_per_token() + cell_metadata
+
+
+def test_header_reader_agrees_with_the_gguf_package(tiny_model_path, tmp_path):
+    import gguf
+
+    shape = ModelShape.read(tiny_model_path)
+    reader = gguf.GGUFReader(str(tiny_model_path))
+    assert shape.file_weight_bytes == sum(int(t.n_bytes) for t in reader.tensors)
+    assert shape.n_vocab == len(reader.fields["tokenizer.ggml.tokens"].data)
+    assert (shape.n_layer, shape.n_embd, shape.n_head, shape.n_head_kv) == (4, 128, 4, 2)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_model_path.read_bytes()[:200])
+    with pytest.raises(EstimateError, match="truncated"):
+        ModelShape.read(cut)
+    text = tmp_path / "text.gguf"
+    text.write_bytes(b"nope")
+    with pytest.raises(EstimateError, match="not a GGUF"):
+        ModelShape.read(text)
