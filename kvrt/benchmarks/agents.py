@@ -55,7 +55,13 @@ HELP = "seed 003: three models with huge contexts, KV swap round trip vs re-pref
 PARTS = ("coresidence", "swap", "timeslice")
 SMALL = Shape("small bench shape", n_layer=8, n_embd=256, n_head=8, n_head_kv=4, n_ff=512, n_vocab=512,
               n_ctx_train=65536, dtype="f32")
+WIDE_KV = Shape("wide-KV small shape", n_layer=32, n_embd=256, n_head=2, n_head_kv=2, n_ff=512, n_vocab=512,
+                n_ctx_train=131072, dtype="f32")
+"""Tiny weights, 7B-like KV bytes per token (32 KiB): a third model whose huge context is huge on an H200 too."""
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
+MAX_HUGE_CTX = 1 << 21
+"""Cap on a co-residence context: llama.cpp's attention mask grows with n_ctx x n_ubatch, so a tiny model asked
+for 60% of an H200 in KV cells (tens of millions) would be refused for its compute buffer, not its KV."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,8 +116,8 @@ def _doc(model: Model, n_tokens: int) -> list[int]:
 def coresidence(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
     ledger = _ledger(args)
     shapes = [ModelShape.read(p) for p in paths]
-    contexts = [max(256, int(args.huge_fraction * ledger.max_bytes / s.kv_bytes_per_token()) // 256 * 256)
-                for s in shapes]
+    contexts = [min(MAX_HUGE_CTX, max(256, int(args.huge_fraction * ledger.max_bytes / s.kv_bytes_per_token())
+                                      // 256 * 256)) for s in shapes]
     demand = [s.weight_bytes(on_gpu=DeviceMeter.gpu_present()) + context_estimate(s, n).total_bytes
               for s, n in zip(shapes, contexts)]
     result: dict[str, Any] = {"max_bytes": ledger.max_bytes, "models": [p.name for p in paths], "n_ctx": contexts,
@@ -132,6 +138,14 @@ def coresidence(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
             except LedgerDenied as exc:
                 steps.append({"step": f"REGISTER agent{i}", "ok": False, "reply": exc.reply()})
             _log(f"  {steps[-1]['step']}: {'OK' if steps[-1]['ok'] else steps[-1]['reply']}")
+        too_big = min(MAX_HUGE_CTX, int(1.1 * ledger.max_bytes / shapes[0].kv_bytes_per_token()) // 256 * 256)
+        try:
+            sched.register("too-big", paths[0], too_big)
+            steps.append({"step": "REGISTER too-big", "ok": True, "n_ctx": too_big})
+            sched.unregister("too-big")
+        except LedgerDenied as exc:  # the refusal lmxd would send, with its numbers; nothing else changes
+            steps.append({"step": "REGISTER too-big", "ok": False, "n_ctx": too_big, "reply": exc.reply()})
+        _log(f"  REGISTER too-big n_ctx={too_big}: {steps[-1].get('reply', 'OK')}")
         for agent in [a["agent_id"] for a in sched.agents()] * 2:
             r = sched.decode(agent, "Hello, my name is", 8)
             steps.append({"step": f"DECODE {agent}", "evicted": list(r.evicted), "restored": r.restored,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Admission control and time-slicing (issue 4, seed 003's lmxd) on the H200. Models: $MODELS/qwen2.5-7b.gguf
-# (Qwen2.5-7B shape, F16, random weights), $MODELS/llama3.2-1b.gguf, and the tiny preset written here.
+# (Qwen2.5-7B shape, F16, random weights), $MODELS/llama3.2-1b.gguf, and a wide-KV small shape written here
+# (kvrt.benchmarks.agents.WIDE_KV: 32 layers, tiny weights, 32 KiB of KV per token).
 # Writes $RESULTS/agents/. Budget: ~120 s of wall time. Measures, in this order (each with its own timeout):
 #   1. swap round trip of a 7B-shaped agent holding 4096 and 32768 tokens (`kvrt bench agents --parts swap`):
 #      re-prefill vs swap-out (capture into the pinned host pool) vs swap-in (restore into the kept context,
@@ -9,7 +10,8 @@
 #   2. 50 agents over the three models, closed loop, ledger budget = weights + 6 live contexts (so agents
 #      swap), vs the same requests back to back in one context per model, nothing swapped.
 #                                                                    -> timeslice/agents/agents.json, latency CDF
-#   3. co-residence: each model asks for a context whose KV is 60% of the ledger cap (90% of the H200):
+#   3. co-residence: each model asks for a context whose KV is 60% of the ledger cap (90% of the H200), at
+#      most 2M cells (qwen ~1.3M cells / 76 GB, the other two 2M cells / 68 GB):
 #      naive independent model+context per agent, all alive (later ones should fail in cudaMalloc), then
 #      kvrt registering all three and decoding each twice.            -> coresidence/agents/agents.json
 #   4. the issue-4 tests on this machine: with CUDA hidden (CPU semantics, Python 3.12) and the gpu-marked
@@ -22,11 +24,12 @@ set -uo pipefail
 OUT_DIR="${RESULTS:-/tmp/kvrt-results}/agents"
 QWEN="$MODELS/qwen2.5-7b.gguf"
 LLAMA="$MODELS/llama3.2-1b.gguf"
-TINY="$OUT_DIR/tiny.gguf"
+WIDE="$OUT_DIR/wide-kv.gguf"
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci
 for m in "$QWEN" "$LLAMA"; do [ -f "$m" ] || { echo "missing $m"; exit 1; }; done
-python3 tools/make_test_model.py --preset tiny --out "$TINY" > /dev/null || { echo "cannot write $TINY"; exit 1; }
+python3 -c "import sys; from kvrt.benchmarks.agents import WIDE_KV; from kvrt.testmodels import write_model; \
+write_model(sys.argv[1], WIDE_KV)" "$WIDE" || { echo "cannot write $WIDE"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
 
 part() {  # name, timeout, args...
@@ -37,9 +40,9 @@ part() {  # name, timeout, args...
   echo "agents $name: rc=$? in $((SECONDS - t)) s"
   grep -v '^[ {}]' "$OUT_DIR/$name.log" | tail -n 8
 }
-part swap 40 --swap-model "$QWEN" --models "$QWEN,$LLAMA,$TINY" --swap-docs 4096,32768 --trials 3
-part timeslice 30 --models "$QWEN,$LLAMA,$TINY" --agents 50 --requests 3 --gen-tokens 12 --live 6 --agent-ctx 1024
-part coresidence 25 --models "$QWEN,$LLAMA,$TINY" --huge-fraction 0.6
+part swap 40 --swap-model "$QWEN" --models "$QWEN,$LLAMA,$WIDE" --swap-docs 4096,32768 --trials 3
+part timeslice 30 --models "$QWEN,$LLAMA,$WIDE" --agents 50 --requests 3 --gen-tokens 12 --live 6 --agent-ctx 1024
+part coresidence 30 --models "$QWEN,$LLAMA,$WIDE" --huge-fraction 0.6
 
 t=$SECONDS
 CUDA_VISIBLE_DEVICES= timeout 25 python3 tools/pytest_llama_first.py -p no:cacheprovider -q -x \
