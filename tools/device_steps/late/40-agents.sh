@@ -13,13 +13,14 @@
 #   3. co-residence: each model asks for a context whose KV is 60% of the ledger cap (90% of the H200), at
 #      most 2M cells (qwen ~1.3M cells / 76 GB, the other two 2M cells / 68 GB):
 #      naive independent model+context per agent, all alive (later ones should fail in cudaMalloc), then
-#      kvrt registering all three and decoding each twice.            -> coresidence/agents/agents.json
+#      kvrt registering all three, refusing a fourth that cannot fit (ERR VRAM_LEDGER_DENY with its numbers),
+#      and decoding each of the three twice.                          -> coresidence/agents/agents.json
 #   4. the issue-4 tests on this machine: with CUDA hidden (CPU semantics, Python 3.12) and the gpu-marked
 #      ones on the real device (NVML ledger).                         -> pytest-*.log
 # What to check: swap rows doc_tokens=32768: exact_all_trials true, pinned true, swap_in_over_h2d <= 1.3
 # (target ~33 ms for ~1.8 GB), reprefill_over_swap_in (re-prefill ~2,070 ms); timeslice: throughput_ratio
-# >= 0.90 and p99_over_p50 <= 3; coresidence: naive.agents_ok < 3 and kvrt_agents_admitted == 3, with the
-# ERR/OK accounting per step; pytest logs all passed.
+# >= 0.90 and p99_over_p50 <= 3; coresidence: naive.agents_ok < 3 and kvrt_agents_admitted == 3, the
+# too-big step refused with ERR VRAM_LEDGER_DENY, every second-round DECODE restored=true; pytest logs passed.
 set -uo pipefail
 OUT_DIR="${RESULTS:-/tmp/kvrt-results}/agents"
 QWEN="$MODELS/qwen2.5-7b.gguf"
