@@ -61,7 +61,7 @@ def test_same_model_agents_hand_over_the_context(tiny_model_path):
         assert switch.tokens == first.tokens  # same model, same prompt, fresh document
         back = sched.decode("a", PROMPTS[1], 6)
         assert back.restored
-        assert ledger.snapshot().by_owner[f"agent:a"] > 0 and "agent:b" not in ledger.snapshot().by_owner
+        assert ledger.snapshot().by_owner["agent:a"] > 0 and "agent:b" not in ledger.snapshot().by_owner
     assert [first.tokens, back.tokens] == never_left(tiny_model_path, PROMPTS[:2], 6)
 
 
