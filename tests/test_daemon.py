@@ -247,3 +247,35 @@ def test_sigterm_shuts_down_cleanly(sock_dir, tiny_model_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_stop_finishes_the_running_request_and_refuses_queued_ones(sock_dir, tiny_model_path):
+    from test_scheduler import hold_worker
+
+    scheduler = Scheduler(VramLedger(1 << 30), n_threads=1)
+    server = Daemon(sock_dir / "stop.sock", scheduler).start()
+    with Client(server.path) as setup:
+        setup.register("a", tiny_model_path, N_CTX)
+    gate, holder = hold_worker(scheduler)  # stands for the request running when SIGTERM arrives
+    replies: list[str] = []
+
+    def queued() -> None:
+        with Client(server.path) as client:
+            try:
+                client.decode("a", "queued behind", 2)
+                replies.append("OK")
+            except DaemonReplyError as exc:
+                replies.append(exc.code)
+
+    waiter = threading.Thread(target=queued)
+    waiter.start()
+    while not scheduler.agents()[0]["queued"]:
+        threading.Event().wait(0.001)
+    stopper = threading.Thread(target=server.stop)
+    stopper.start()
+    while not scheduler._closing:  # SIGTERM's path has reached the scheduler
+        threading.Event().wait(0.001)
+    gate.set()  # the running job completes normally; the queued one must not start
+    for thread in (holder, waiter, stopper):
+        thread.join()
+    assert replies == ["SHUTTING_DOWN"] and not server.path.exists()
