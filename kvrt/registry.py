@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvrt.errors import KvrtError
@@ -41,11 +41,7 @@ class LoadedModel:
     estimated_bytes: int
     estimate_source: str
     refcount: int = 1
-    measured_bytes: int | None = field(default=None)
-
-    @property
-    def key(self) -> str:
-        return str(self.path)
+    measured_bytes: int | None = None
 
 
 class ModelRegistry:
