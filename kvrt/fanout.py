@@ -7,11 +7,10 @@ Two modes:
     branch restores it into its own context, leased from a
     :class:`kvrt.contextpool.ContextPool`; branches could run later or elsewhere. The
     branch's logits are bit-identical to a recompute of document then prompt in a
-    fresh context (same chunks: llama.cpp's logits depend on the ubatch split). On a
-    plain KV cache every later step is too; on Gemma 3's iSWA cache later steps can
-    differ by float noise (seen: greedy tokens diverged at step 5 of 6 after a 3501-token
-    fox document; first-token logits identical), presumably because restored cells
-    are placed differently.
+    fresh context (same chunks: llama.cpp's logits depend on the ubatch split), and so
+    are later steps on the tiny test model. On Gemma 3 (CPU, 3501-token fox document)
+    the first-token logits were identical, greedy tokens too with ``n_threads=1``, but
+    with ``n_threads=2`` one branch diverged at step 5 of 6 (cause not yet found).
 ``shared``
     all branches live in one context with unified KV: ``llama_memory_seq_cp`` makes
     each branch sequence share the document's cells (metadata only, no copy), and the
