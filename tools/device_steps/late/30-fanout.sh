@@ -19,7 +19,7 @@ OUTDIR="$RESULTS/fanout"
 MODEL="$MODELS/qwen2.5-7b.gguf"
 mkdir -p "$OUTDIR"
 [ -f "$MODEL" ] || { echo "missing $MODEL"; exit 1; }
-python3 -c "import cupy; from kvrt.hostpool import HostPool; print('host pool pinned:', HostPool().pinned)" \
+python3 -c "from kvrt.hostpool import HostPool; print('host pool pinned:', HostPool().pinned)" \
   2>&1 | tee "$OUTDIR/hostpool.txt"
 
 KVRT_BENCH_MODEL="$MODEL" KVRT_BENCH_DOC_TOKENS=3501 timeout 45 python3 tools/pytest_llama_first.py bench/bench_snapshot.py -q \
