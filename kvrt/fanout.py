@@ -65,13 +65,14 @@ class BranchResult:
     ``activation_ms`` is the branch-specific work before its first token (isolated:
     context lease + restore + prompt + first sample; shared: fork + prompt + first
     sample, counted from the start of the branch phase) - the seed's "branch
-    activation latency".
+    activation latency". ``restore_ms`` isolates the state transfer within it.
     """
 
     name: str
     completion: Completion
     activation_ms: float
     total_ms: float
+    restore_ms: float = 0.0  # isolated: context lease + snapshot restore, the part that moves KV bytes
 
     @property
     def text(self) -> str:
@@ -182,7 +183,10 @@ def run_isolated(snapshot: Snapshot, branch: Branch, pool: ContextPool) -> Branc
     t0 = time.perf_counter()
     with pool.lease() as ctx:
         snapshot.restore(ctx, 0)
-        return run_branches(ctx, [branch], [0], snapshot.n_tokens, exact=True, t_start=t0)[0]
+        restored = time.perf_counter()
+        result = run_branches(ctx, [branch], [0], snapshot.n_tokens, exact=True, t_start=t0)[0]
+    result.restore_ms = (restored - t0) * 1e3
+    return result
 
 
 def _choose_mode(mode: Mode, n: int, shared_cells: int, limit: int) -> tuple[str, str]:

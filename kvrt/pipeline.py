@@ -105,8 +105,8 @@ class PipelineResult:
 
     A document's output is its token count; a branch's its :class:`kvrt.generation.Completion`.
     Timings hold ``start_ms``/``end_ms`` (from the start of ``run``) and kind-specific
-    entries: ``prefill_ms`` and ``watermark_ms`` for documents; ``activation_ms`` and
-    ``decode_ms`` for branches.
+    entries: ``prefill_ms`` and ``watermark_ms`` for documents; ``activation_ms``,
+    ``restore_ms`` and ``decode_ms`` for branches.
     """
 
     outputs: dict[str, Any] = field(default_factory=dict)
@@ -311,7 +311,7 @@ class _Run:
         if isinstance(node, _BranchNode):
             snapshot = self.snapshots[(node.after, self.marks[node.name])]
             branch = run_isolated(snapshot, node.branch, pool)
-            self.result.timings_ms[node.name].update(activation_ms=branch.activation_ms,
+            self.result.timings_ms[node.name].update(activation_ms=branch.activation_ms, restore_ms=branch.restore_ms,
                                                      decode_ms=branch.total_ms - branch.activation_ms)
             return branch.completion
         return node.fn({d: self.result.outputs[d] for d in node.deps})
