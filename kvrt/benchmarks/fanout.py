@@ -187,7 +187,7 @@ def sweep(model: Model, args: argparse.Namespace, out: Path) -> list[dict[str, A
                     r = rows[-1]
                     print(f"  e2e {r['Kvrt_End_To_End_Ms']:.0f} ms vs baseline {baseline_ms:.0f} ms "
                           f"({r['E2E_Speedup']:.1f}x), fork/branch {r['Fork_Ms_Per_Branch']:.3f} ms", file=sys.stderr)
-    _write_csv(out / "sweep.csv", rows)
+                    _write_csv(out / "sweep.csv", rows)  # after every point: a run cut short keeps what it measured
     _plot_sweep(rows, out / "plots")
     return rows
 
