@@ -10,6 +10,7 @@ import importlib
 from typing import Any
 
 __version__ = "0.1.0"
+NO_PRELOAD_ENV = "KVRT_NO_PRELOAD"
 
 
 def _preload_llama() -> None:
@@ -19,11 +20,13 @@ def _preload_llama() -> None:
     ``llama_model_load_from_file`` whenever NumPy had been imported before the library
     was loaded, and never when the library came first (``tools/probe_import_order.py``
     shows both). So ``import kvrt`` opens the libraries at once; a failure here is left
-    for the first real use to report.
+    for the first real use to report. ``KVRT_NO_PRELOAD=1`` turns this off for processes
+    that must not hold llama.cpp (see :mod:`kvrt.benchmarks._plotting`).
     """
+    import os
     import sys
 
-    if "numpy" in sys.modules:
+    if "numpy" in sys.modules or os.environ.get(NO_PRELOAD_ENV):
         return
     try:
         from kvrt.bindings import _loader

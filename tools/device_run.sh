@@ -56,7 +56,8 @@ run_steps() {  # every script in tools/device_steps/$1, each with its own log an
   for step in "$dir"/*.sh; do
     [ -e "$step" ] || continue
     name=$(basename "$step" .sh); t0=$SECONDS
-    timeout "${STEP_TIMEOUT:-200}" bash "$step" > "$RESULTS/step-$name.log" 2>&1
+    case " ${SKIP_STEP:-} " in *" $name "*) note "step $name: skipped (SKIP_STEP)"; continue ;; esac
+    timeout "${STEP_TIMEOUT:-260}" bash "$step" > "$RESULTS/step-$name.log" 2>&1
     note "step $name: rc=$? in $((SECONDS - t0)) s; tail:"; tail -n 8 "$RESULTS/step-$name.log" | sed 's/^/    /' | tee -a "$summary"
   done
 }
@@ -70,18 +71,18 @@ export_llama() {  # bring the CUDA build back in parts small enough to return an
 
 pack() {
   cp "$summary" "$OUT/summary.txt"
-  tar -C "$RESULTS" -czf "$OUT/results.tgz" . && note "packed $(du -sh "$OUT/results.tgz" | cut -f1)"
+  tar -C "$RESULTS" --exclude='*.gguf' -czf "$OUT/results.tgz" . && note "packed $(du -sh "$OUT/results.tgz" | cut -f1)"
 }
 
 nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv,noheader | tee -a "$summary"
 install_python_deps
 case "$phase" in
   early|all)
-    build_llama & build_pid=$!
-    [ -n "${SKIP_MODELS:-}" ] || make_models
+    build_llama &
+    [ -n "${SKIP_MODELS:-}" ] || { make_models & }
     [ -n "${SKIP_STEPS:-}" ] || run_steps early
-    [ "$phase" = all ] || { wait $build_pid; pack; exit 0; }
-    wait $build_pid ;;
+    wait   # the build and the model files
+    [ "$phase" = all ] || { pack; exit 0; } ;;
   late)
     build_llama ;;
 esac

@@ -50,6 +50,7 @@ from kvrt.model import Model
 from kvrt.scheduler import Scheduler, percentiles
 from kvrt.snapshot import Snapshot
 from kvrt.testmodels import Shape, ensure_model, write_model
+from kvrt.benchmarks._plotting import draw
 
 HELP = "seed 003: three models with huge contexts, KV swap round trip vs re-prefill, 50 agents time-sliced"
 PARTS = ("coresidence", "swap", "timeslice")
@@ -436,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
     for part in parts:
         results[part] = {"coresidence": coresidence, "swap": swap, "timeslice": timeslice}[part](args, paths)
         (out / "agents.json").write_text(json.dumps(results, indent=1, default=str))
-    _plot(results, out)
+    draw(_plot, results, out)
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("requests", "per_agent_latency_ms", "kvrt")}
                       if isinstance(v, dict) else v for k, v in results.items()}, indent=1, default=str))
     return 0

@@ -34,6 +34,7 @@ from kvrt.contextpool import ContextPool
 from kvrt.fanout import Branch, FanoutResult, fanout
 from kvrt.generation import GenerationParams, generate, prefill
 from kvrt.model import Model
+from kvrt.benchmarks._plotting import draw
 
 HELP = "SwarmKV's two-branch table (baseline vs isolated vs shared) and the N x document sweep"
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
@@ -148,7 +149,7 @@ def headline(model: Model, args: argparse.Namespace, out: Path) -> list[dict[str
     best = {mode: max((r for r in rows if r["Mode"] == mode), key=lambda r: r["Score"]) for mode in MODES}
     (out / "best_run.json").write_text(json.dumps({"machine": _machine(model), "selection": "2*TTFT_Pct + E2E_Pct",
                                                    "best": best}, indent=2, default=str))
-    _plot_headline(best, out / "plots")
+    draw(_plot_headline, best, out / "plots")
     return rows
 
 
@@ -188,7 +189,7 @@ def sweep(model: Model, args: argparse.Namespace, out: Path) -> list[dict[str, A
                     print(f"  e2e {r['Kvrt_End_To_End_Ms']:.0f} ms vs baseline {baseline_ms:.0f} ms "
                           f"({r['E2E_Speedup']:.1f}x), fork/branch {r['Fork_Ms_Per_Branch']:.3f} ms", file=sys.stderr)
                     _write_csv(out / "sweep.csv", rows)  # after every point: a run cut short keeps what it measured
-    _plot_sweep(rows, out / "plots")
+    draw(_plot_sweep, rows, out / "plots")
     return rows
 
 

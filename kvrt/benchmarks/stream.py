@@ -31,6 +31,7 @@ from kvrt.layer import LayerShape, fill_random
 from kvrt.streamer import LayerStreamer
 from kvrt.streamplan import RunTimes, StreamConfig, StreamReport, report
 from kvrt.streamwork import FmaWork, LayerWork
+from kvrt.benchmarks._plotting import draw
 
 HELP = "layer streaming: serial vs two-stream overlapped copies of pinned layers (FMA or real-layer work)"
 
@@ -186,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         writer.writeheader()
         writer.writerows(flat)
     if len(points) > 1:
-        plot(points, f"{args.mode}: {args.n_layers} layers x {bytes_per_layer / 2**20:.0f} MiB on {device}",
+        draw(plot, points, f"{args.mode}: {args.n_layers} layers x {bytes_per_layer / 2**20:.0f} MiB on {device}",
              stem.with_suffix(".png"))
     print(f"wrote {stem}.json/.csv" + ("/.png" if len(points) > 1 else ""))
 

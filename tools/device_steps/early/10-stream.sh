@@ -18,7 +18,7 @@ export PYTHONUNBUFFERED=1
 python3 -c "import cupy, numba, sys; print('python', sys.version.split()[0], 'cupy', cupy.__version__, 'numba', numba.__version__)"
 
 t0=$SECONDS
-timeout 35 python3 tools/pytest_llama_first.py -p no:cacheprovider -q -rs tests/test_kernels.py tests/test_streamer.py \
+timeout 90 python3 tools/pytest_llama_first.py -p no:cacheprovider -q -rs tests/test_kernels.py tests/test_streamer.py \
   tests/test_layer.py bench/bench_stream.py > "$OUT_DIR/pytest.log" 2>&1
 echo "pytest (kernels, streamer, layer, bench_stream): rc=$? in $((SECONDS - t0)) s: $(tail -n 1 "$OUT_DIR/pytest.log")"
 

@@ -28,6 +28,6 @@ KVRT_BENCH_MODEL="$MODEL" KVRT_BENCH_DOC_TOKENS=3501 timeout 45 python3 tools/py
   --benchmark-columns=min,median,max,rounds --benchmark-json "$OUTDIR/bench_snapshot.json" \
   2>&1 | tail -n 20 | tee "$OUTDIR/bench_snapshot.txt"
 
-timeout 100 python3 -m kvrt.cli bench fanout --model "$MODEL" --out "$RESULTS" --doc-tokens 3501 --trials 3 \
+timeout 170 python3 -m kvrt.cli bench fanout --model "$MODEL" --out "$RESULTS" --doc-tokens 3501 --trials 3 \
   --max-tokens 6 --n-batch 2048 --sweep-n 1,2,8,32,50 --sweep-docs 3501,32000 --baseline-branches 1 \
   2>&1 | tr '\r' '\n' | grep -v ': prefill ' | tee "$OUTDIR/bench_fanout.txt"
