@@ -23,7 +23,12 @@ running side by side without compute contention, weights resident and outside th
 and the filler's work between events (``maintain()``, untimed). TTFT = queueing +
 the timed memory operation + modelled prefill. Swept over ``--loads`` (arrival-rate
 multipliers); memory held over time (the static arm's resident maxima; the pool's mapped plus
-parked pages, at most ``2 * IDLE_TARGET`` parked) is plotted. Requests a static arm can
+parked pages, at most ``2 * IDLE_TARGET`` parked) is plotted. A request *waits for memory*
+when its model could not start it because memory was short (static: the model is not
+resident and every resident model is busy, so none can be evicted; elastic: the pool
+refused its pages); static *starts to queue* at the first load where more than
+``--queue-threshold`` (5%) of its requests waited for memory, and the p99 TTFT ratio is
+reported there (and at every load). Requests a static arm can
 never serve (a model whose max KV exceeds the cap) are counted as unserved. Idle co-residence: how many models'
 static maxima fit the cap vs how many idle elastic tenants (0 pages each) were
 reserved side by side (up to ``--idle-probe``).
@@ -49,7 +54,7 @@ import statistics
 import tempfile
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +105,21 @@ def _summary_us(values_s: list[float]) -> dict[str, float]:
 def _driver(kind: str, page_bytes: int = 2 * MiB) -> Any:
     from kvrt.vmm import CudaDriver, HostDriver
 
-    return CudaDriver() if kind == "cuda" else HostDriver(page_bytes)
+    class TraceHostDriver(HostDriver):
+        """HostDriver without the poison write on unmap: the trace never reads the KV, and poisoning
+        would commit host memory for every page ever unmapped (tens of GiB over a long trace)."""
+
+        def unmap_page(self, va: int) -> None:
+            with self._lock:
+                rng, offset = self._locate(va, self.page_bytes, "unmap_page")
+                handle = rng.mapped.pop(offset // self.page_bytes, None)
+                if handle is None:
+                    raise VmmError("unmap_page", f"nothing is mapped at {va:#x}")
+                self._pages[handle] = None
+
+    from kvrt.vmm import VmmError
+
+    return CudaDriver() if kind == "cuda" else TraceHostDriver(page_bytes)
 
 
 # -- part a -------------------------------------------------------------------------------
@@ -365,8 +384,8 @@ def simulate(arm: str, models: list[TraceModel], trace: list[Request], cap: int,
     def oldest_first() -> list[int]:
         return sorted((i for i in range(n) if queues[i]), key=lambda i: queues[i][0].arrival)
 
-    for req in trace:
-        push(req.arrival, "arrive", req)
+    for req in trace:  # each arm serves its own copies of the same requests
+        push(req.arrival, "arrive", replace(req, start=0.0, ttft=0.0, mem_wait=False))
     while events:
         now, _, what, data = heapq.heappop(events)
         if what == "arrive":
