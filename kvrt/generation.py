@@ -137,7 +137,11 @@ def generate(
     seq_id: int = 0,
     progress: ProgressFn | None = None,
 ) -> Completion:
-    """Complete ``prompt`` on ``seq_id``, continuing after whatever the sequence holds."""
+    """Complete ``prompt`` on ``seq_id``, continuing after whatever the sequence holds.
+
+    The last sampled token is returned but not decoded into the KV cache (nothing needs
+    its logits yet): a caller continuing the conversation feeds it with the next prompt.
+    """
     params = params or GenerationParams()
     model = ctx.model
     add_bos = ctx.seq_len(seq_id) == 0
