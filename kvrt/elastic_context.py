@@ -6,6 +6,17 @@ bucket and, when the sequence is about to outgrow it (before a prompt, or when d
 reaches the end), moves the sequence state into a context of a larger bucket (``llama_state_seq_get_data`` / ``_set_data``), growing
 geometrically so the moves cost O(final size) in total. ``shrink_to_fit`` moves it back
 down when idle and ``swap_out`` parks the state in host memory and frees the context.
+
+Keeping growth off the critical path: :meth:`ElasticContext.generate` knows the prompt's
+length and ``max_tokens``, so it grows once, before the prefill, straight to the bucket
+that holds prompt + generation (never again in the middle of decoding, where a move
+would stall the token stream). Between requests the runtime calls
+:meth:`ElasticContext.grow_ahead`: once the sequence fills ``fill`` of its context, it
+moves to the next bucket then, on the agent's idle time, so the next turn usually finds
+the room already there. Each :class:`Resize` records whether it was on the critical path
+(inside a ``generate``/``prefill``/``ensure`` call) or ahead of it. Everything runs on
+the caller's thread: creating a llama.cpp context while another thread decodes on a
+context of the same model is not something llama.cpp promises to be safe.
 Every size change is charged to the ledger *before* the new context is created (the
 old one is released after the move), so the ledger never under-counts.
 
@@ -28,7 +39,7 @@ from kvrt.errors import KvrtError
 from kvrt.estimate import ModelShape, context_estimate
 from kvrt.generation import Completion, GenerationParams, ProgressFn, SequenceStream
 from kvrt.hostpool import HostBuffer, HostPool
-from kvrt.ledger import Reservation, VramLedger
+from kvrt.ledger import LedgerDenied, Reservation, VramLedger
 from kvrt.model import Model
 from kvrt.sampling import Sampler
 
@@ -45,6 +56,7 @@ class Resize:
     n_tokens: int
     state_bytes: int
     seconds: float
+    on_path: bool = True  # False: done ahead, between requests (grow_ahead)
 
 
 class ElasticContext:
@@ -54,7 +66,9 @@ class ElasticContext:
     (itself a bucket). ``growth`` is the factor a full context grows by at least.
     ``params`` supplies every other context parameter (``n_ctx`` and ``n_seq_max`` are
     set here). States in transit go through ``host_pool`` buffers (pinned on a GPU
-    machine: ~7x the bandwidth of pageable memory there).
+    machine: ~7x the bandwidth of pageable memory there). ``size_for_generation``: ``generate``
+    grows before the prefill to hold prompt + ``max_tokens`` (``False``: only the prompt, and
+    decoding grows when it reaches the end -- kept for tests of that path).
     """
 
     def __init__(
@@ -68,6 +82,7 @@ class ElasticContext:
         ledger: VramLedger | None = None,
         owner: str = "agent:elastic",
         host_pool: HostPool | None = None,
+        size_for_generation: bool = True,
     ) -> None:
         if min_ctx <= 0 or min_ctx % CTX_PAD or max_ctx < min_ctx or growth <= 1.0:
             raise KvrtError(f"need min_ctx ({min_ctx}) a positive multiple of {CTX_PAD}, max_ctx ({max_ctx}) >= "
@@ -76,6 +91,7 @@ class ElasticContext:
         self.max_ctx = max_ctx
         self.min_ctx = min_ctx
         self.growth = growth
+        self.size_for_generation = size_for_generation
         self.owner = owner
         self._params = replace(params or ContextParams(), n_ctx=min_ctx, n_seq_max=1, kv_unified=False)
         self._ledger = ledger
@@ -133,6 +149,21 @@ class ElasticContext:
         self.bucket(n_tokens)  # refuses past max_ctx
         self._resize(self.bucket(min(max(n_tokens, int(ctx.n_ctx * self.growth)), self.max_ctx)))
 
+    def grow_ahead(self, fill: float = 0.5) -> Resize | None:
+        """Between requests: if the sequence holds at least ``fill`` of its context, move to the next bucket now.
+
+        Off the critical path (the agent is idle); returns the move, or ``None`` when none
+        was needed, the context is already at ``max_ctx``, or the ledger refused the bigger
+        bucket (nothing changes then; growth will happen on demand).
+        """
+        if self._ctx is None or self.n_ctx >= self.max_ctx or self.n_tokens < fill * self.n_ctx:
+            return None
+        try:
+            self._resize(self.bucket(min(int(self.n_ctx * self.growth), self.max_ctx)), on_path=False)
+        except LedgerDenied:
+            return None
+        return self.resizes[-1]
+
     def shrink_to_fit(self) -> None:
         """Move into the smallest bucket that holds what the sequence has (an idle agent's step)."""
         target = self.bucket(max(self.n_tokens, 1))
@@ -170,7 +201,7 @@ class ElasticContext:
             buffer.release()
             raise
 
-    def _resize(self, n_ctx: int) -> None:
+    def _resize(self, n_ctx: int, *, on_path: bool = True) -> None:
         old = self.ctx
         held = old.seq_len(SEQ)
         if n_ctx < held:
@@ -190,7 +221,7 @@ class ElasticContext:
         old.close()
         if old_charge is not None and self._ledger is not None:
             self._ledger.release(old_charge)
-        self.resizes.append(Resize(old_n_ctx, self.n_ctx, held, n, time.perf_counter() - t0))
+        self.resizes.append(Resize(old_n_ctx, self.n_ctx, held, n, time.perf_counter() - t0, on_path))
 
     def _open(self, n_ctx: int, state: np.ndarray | None = None) -> None:
         """Charge, create a context of ``n_ctx`` cells and load ``state`` into it; on failure nothing is kept."""
@@ -258,6 +289,8 @@ class ElasticContext:
         t0 = time.perf_counter()
         t_first: float | None = None
         try:
+            if self.size_for_generation:
+                self.ensure(needed)  # one move, before the prefill, carrying only what was held
             row = self.prefill(tokens, progress=progress)
             t_prefill = time.perf_counter()
             with Batch(1) as batch:

@@ -76,8 +76,27 @@ def test_growth_in_the_middle_of_decoding_keeps_the_tokens(tiny_model):
     prompt = tiny_model.tokenize(text(200, 6))[:250]  # 250 + 40 generated crosses the 256-cell bucket
     with Context(tiny_model, n_ctx=1024) as fixed:
         expected = generate(fixed, prompt, GREEDY).tokens
-    with ElasticContext(tiny_model, max_ctx=1024, min_ctx=256) as agent:
+    with ElasticContext(tiny_model, max_ctx=1024, min_ctx=256, size_for_generation=False) as agent:
         got = agent.generate(prompt, GREEDY).tokens
         assert [(r.from_ctx, r.to_ctx) for r in agent.resizes] == [(256, 512)]
         assert agent.resizes[0].n_tokens >= 256 - 1  # it moved while decoding, not during the prefill
     assert got == expected
+
+
+def test_generation_is_sized_up_front_and_grow_ahead_moves_between_turns(tiny_model):
+    turns = [tiny_model.tokenize(text(200, 7))[:250], tiny_model.tokenize(text(200, 8))[:200]]
+    with Context(tiny_model, n_ctx=2048) as fixed:
+        expected = [generate(fixed, turn, GREEDY).tokens for turn in turns]
+    ledger = VramLedger(capacity_bytes=1 << 34)
+    with ElasticContext(tiny_model, max_ctx=2048, min_ctx=256, ledger=ledger) as agent:
+        got = [agent.generate(turns[0], GREEDY).tokens]
+        # 250 + 40 does not fit 256 cells: one move before the prefill, carrying nothing
+        assert [(r.from_ctx, r.to_ctx, r.n_tokens, r.on_path) for r in agent.resizes] == [(256, 512, 0, True)]
+        assert agent.grow_ahead(fill=0.9) is None  # 290 of 512 cells: under the threshold
+        ahead = agent.grow_ahead(fill=0.5)
+        assert ahead is not None and (ahead.from_ctx, ahead.to_ctx, ahead.on_path) == (512, 1024, False)
+        assert ahead.n_tokens == agent.n_tokens and ledger.allocated_bytes == agent.context_bytes(1024)
+        got.append(agent.generate(turns[1], GREEDY).tokens)  # 290 + 200 + 40 fits: no move on the path
+        assert len(agent.resizes) == 2
+    assert got == expected
+    assert ledger.allocated_bytes == 0
