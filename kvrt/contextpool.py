@@ -1,8 +1,10 @@
 """A pool of idle llama.cpp contexts of one shape, so a branch never pays for creating one.
 
 Creating a context costs 27-40 ms on the H200 (its KV buffers are allocated and
-cleared), more than restoring a 3.5k-token state from pinned memory; isolated fan-out
-therefore leases contexts from here and gives them back emptied.
+cleared), more than restoring a 3.5k-token state from pinned memory; fan-out therefore
+leases contexts from here and gives them back emptied: isolated mode one-sequence
+contexts, shared mode a unified-KV context with room for every branch
+(:func:`kvrt.fanout.shared_params`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class ContextPool:
         if ctx.closed:
             return
         for seq in range(ctx.n_seq_max):
-            ctx.seq_rm(seq)
+            if ctx.seq_pos_max(seq) >= 0:  # O(1); seq_rm scans every cell, so skip the empty sequences
+                ctx.seq_rm(seq)
         with self._lock:
             if len(self._idle) < self.max_idle:
                 self._idle.append(ctx)

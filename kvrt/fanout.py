@@ -3,9 +3,12 @@
 Two modes:
 
 ``isolated`` (SwarmKV's shape)
-    the document's state is captured into a :class:`kvrt.snapshot.Snapshot` and each
-    branch restores it into its own context, leased from a
+    the document's state is captured into a :class:`kvrt.snapshot.Snapshot` and every
+    branch after the first restores it into its own context, leased from a
     :class:`kvrt.contextpool.ContextPool`; branches could run later or elsewhere. The
+    first branch continues in the context that prefilled (its sequence already holds
+    exactly the snapshot's state, so a restore would copy the bytes onto themselves),
+    and one branch alone needs no snapshot at all. The
     branch's logits are bit-identical to a recompute of document then prompt in a
     fresh context (same chunks: llama.cpp's logits depend on the ubatch split), and so
     are later steps on the tiny test model. On Gemma 3 (CPU, 3501-token fox document)
@@ -20,15 +23,30 @@ Two modes:
     (greedy tokens usually agree; measured up to 0.83 on Gemma Q4_K_M, see DESIGN.md).
 
 ``mode="auto"`` picks shared whenever there are several branches and their combined
-cells fit one context, isolated otherwise; the result says which and why.
+cells fit one context (and, given a ``pool``, its contexts), isolated otherwise; the
+result says which and why.
+
+Contexts: pass ``pool`` to reuse them across fan-outs (creating one costs 27-40 ms on
+the H200). Isolated mode leases one-sequence contexts from it; shared mode leases one
+unified-KV context with ``n_seq_max >= branches`` and ``n_ctx >= document + every
+branch's prompt and max_tokens`` (build it with :func:`shared_params`) and empties it
+with ``seq_rm`` on release. Without a pool each call creates its context and frees it.
+``FanoutResult.contexts_created`` says how many contexts a call created.
+
+Greedy branches are sampled by an argmax over the logits row (what llama.cpp's greedy
+sampler computes, first maximum on ties, without building its 150k-entry candidate
+array per token); other sampling goes through the llama.cpp sampler chain.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
+
+import numpy as np
 
 from kvrt.batch import Batch
 from kvrt.context import Context, ContextParams
@@ -72,7 +90,8 @@ class BranchResult:
     completion: Completion
     activation_ms: float
     total_ms: float
-    restore_ms: float = 0.0  # isolated: context lease + snapshot restore, the part that moves KV bytes
+    restore_ms: float = 0.0  # isolated: context lease + snapshot restore, the part that moves KV bytes (0 for the
+    # first branch, which continues in the context that prefilled)
 
     @property
     def text(self) -> str:
@@ -86,9 +105,10 @@ class FanoutResult:
     exact: bool
     doc_tokens: int
     prefill_ms: float
-    fork_ms: float  # isolated: snapshot capture; shared: seq_cp of every branch
+    fork_ms: float  # isolated: snapshot capture (0 for one branch); shared: seq_cp of every branch
     branches: list[BranchResult]
     total_ms: float
+    contexts_created: int = 0  # llama.cpp contexts this call created (0 when the pool had them ready)
 
     @property
     def texts(self) -> list[str]:
@@ -102,11 +122,17 @@ class _Live:
     seq: int
     pos: int
     pending: list[int]
-    sampler: Sampler
+    sampler: Sampler | None  # None: greedy, an argmax over the logits row
     stream: SequenceStream
     t_start: float
     prompt_tokens: int = 0
     t_first: float | None = None
+
+    def pick(self, ctx: Context, row: int) -> int:
+        if self.sampler is None:
+            # ctx.logits raises (instead of llama.cpp aborting) on a row without logits
+            return int(np.argmax(ctx.logits(row)))
+        return self.sampler.sample(ctx, row)
 
 
 def branch_budget(model: Model, branch: Branch) -> tuple[list[int], int]:
@@ -119,6 +145,44 @@ def branch_budget(model: Model, branch: Branch) -> tuple[list[int], int]:
 
 def _align(n: int) -> int:
     return -(-n // CELL_ALIGN) * CELL_ALIGN
+
+
+def isolated_params(cells: int, *, n_batch: int = 512, n_threads: int | None = None) -> ContextParams:
+    """Parameters of an isolated-mode context: one sequence of ``cells`` (document + longest branch)."""
+    return ContextParams(n_ctx=_align(cells), n_batch=n_batch, n_ubatch=min(n_batch, 512), n_threads=n_threads)
+
+
+def shared_params(cells: int, n_seq: int, *, n_batch: int = 512, n_threads: int | None = None) -> ContextParams:
+    """Parameters of a shared-mode context: unified KV, ``n_seq`` sequences, ``cells`` cells in all.
+
+    ``cells`` must cover the document plus every branch's prompt and ``max_tokens``
+    (the branches' cells are not shared, only the document's).
+    """
+    return ContextParams(n_ctx=_align(cells), n_batch=n_batch, n_ubatch=min(n_batch, 512), n_seq_max=n_seq,
+                         kv_unified=True, n_threads=n_threads)
+
+
+def _shared_misfit(pool: ContextPool, n: int, cells: int) -> str | None:
+    """Why ``pool``'s contexts cannot hold ``n`` branches sharing ``cells`` cells, or None."""
+    p = pool.params
+    if not p.kv_unified:
+        return "its contexts are not kv_unified (each sequence would have its own cells, nothing shared)"
+    if p.n_seq_max < n:
+        return f"its contexts hold {p.n_seq_max} sequences, {n} branches need {n}"
+    if p.n_ctx < cells:
+        return f"its contexts have {p.n_ctx} cells, document + every branch needs {cells}"
+    return None
+
+
+@contextmanager
+def _context(pool: ContextPool | None, params: ContextParams, model: Model) -> Iterator[Context]:
+    """A context leased from ``pool``, or (no pool) a new one freed afterwards."""
+    if pool is None:
+        with Context(model, params) as ctx:
+            yield ctx
+    else:
+        with pool.lease() as ctx:
+            yield ctx
 
 
 def _decode_round(ctx: Context, batch: Batch, lives: list[_Live], exact: bool) -> None:
@@ -146,57 +210,75 @@ def _decode_round(ctx: Context, batch: Batch, lives: list[_Live], exact: bool) -
             ctx.decode(batch)
         for live, row in zip(group, rows):
             live.pos += len(live.pending)
-            token = live.sampler.sample(ctx, row)
+            token = live.pick(ctx, row)
             if live.t_first is None:
                 live.t_first = time.perf_counter()
             live.pending = [] if live.stream.accept(token) else [token]
 
 
 def run_branches(ctx: Context, branches: Sequence[Branch], seqs: Sequence[int], start_pos: int, *,
-                 exact: bool, t_start: float | None = None) -> list[BranchResult]:
-    """Generate every branch on its sequence of ``ctx`` (each already holding ``start_pos`` tokens)."""
+                 exact: bool, t_start: float | None = None, prompts: Sequence[Sequence[int]] | None = None,
+                 batch: Batch | None = None) -> list[BranchResult]:
+    """Generate every branch on its sequence of ``ctx`` (each already holding ``start_pos`` tokens).
+
+    ``prompts`` (the branches' prompt tokens) and ``batch`` (capacity >= ``ctx.n_batch``
+    and >= the number of branches) spare re-tokenizing and a batch allocation.
+    """
     model = ctx.model
     t0 = time.perf_counter() if t_start is None else t_start
-    prompts = [branch_budget(model, b)[0] for b in branches]
-    lives = [_Live(seq, start_pos, prompt, Sampler(b.params.sampling), SequenceStream(model, b.params), t0,
-                   start_pos + len(prompt)) for b, seq, prompt in zip(branches, seqs, prompts)]
+    if prompts is None:
+        prompts = [branch_budget(model, b)[0] for b in branches]
+    lives = [_Live(seq, start_pos, list(prompt),
+                   None if b.params.sampling.greedy else Sampler(b.params.sampling),
+                   SequenceStream(model, b.params), t0, start_pos + len(prompt))
+             for b, seq, prompt in zip(branches, seqs, prompts)]
     results: list[BranchResult | None] = [None] * len(lives)
-    with Batch(max(ctx.n_batch, len(lives))) as batch:
-        try:
-            while active := [live for live in lives if live.pending]:
-                _decode_round(ctx, batch, active, exact)
-                now = time.perf_counter()
-                for i, live in enumerate(lives):
-                    if results[i] is None and not live.pending:
-                        results[i] = BranchResult(
-                            branches[i].name or f"branch{i}",
-                            live.stream.completion(live.prompt_tokens),
-                            ((live.t_first or now) - live.t_start) * 1e3, (now - live.t_start) * 1e3)
-        finally:
-            for live in lives:
+    own = batch is None or batch.capacity < max(ctx.n_batch, len(lives))
+    work = Batch(max(ctx.n_batch, len(lives))) if own else batch
+    try:
+        while active := [live for live in lives if live.pending]:
+            _decode_round(ctx, work, active, exact)
+            now = time.perf_counter()
+            for i, live in enumerate(lives):
+                if results[i] is None and not live.pending:
+                    results[i] = BranchResult(
+                        branches[i].name or f"branch{i}",
+                        live.stream.completion(live.prompt_tokens),
+                        ((live.t_first or now) - live.t_start) * 1e3, (now - live.t_start) * 1e3)
+    finally:
+        for live in lives:
+            if live.sampler is not None:
                 live.sampler.close()
+        if own:
+            work.close()
     return [r for r in results if r is not None]
 
 
-def run_isolated(snapshot: Snapshot, branch: Branch, pool: ContextPool) -> BranchResult:
+def run_isolated(snapshot: Snapshot, branch: Branch, pool: ContextPool, *, prompt: Sequence[int] | None = None,
+                 batch: Batch | None = None) -> BranchResult:
     """Restore ``snapshot`` into a pooled context and generate one branch there."""
     t0 = time.perf_counter()
     with pool.lease() as ctx:
         snapshot.restore(ctx, 0)
         restored = time.perf_counter()
-        result = run_branches(ctx, [branch], [0], snapshot.n_tokens, exact=True, t_start=t0)[0]
+        result = run_branches(ctx, [branch], [0], snapshot.n_tokens, exact=True, t_start=t0,
+                              prompts=None if prompt is None else [prompt], batch=batch)[0]
     result.restore_ms = (restored - t0) * 1e3
     return result
 
 
-def _choose_mode(mode: Mode, n: int, shared_cells: int, limit: int) -> tuple[str, str]:
+def _choose_mode(mode: Mode, n: int, shared_cells: int, limit: int, pool: ContextPool | None) -> tuple[str, str]:
     if mode == "isolated":
         return mode, "requested"
     fits = shared_cells <= limit and n <= LLAMA_MAX_SEQ
+    misfit = _shared_misfit(pool, n, shared_cells) if pool is not None else None
     if mode == "shared":
         if not fits:
             raise FanoutError(f"shared mode needs {shared_cells} cells for {n} branches in one context; the model "
                               f"allows {limit} (max_ctx) and llama.cpp at most {LLAMA_MAX_SEQ} sequences")
+        if misfit is not None:
+            raise FanoutError(f"shared mode cannot use the context pool: {misfit} (build its parameters with "
+                              f"kvrt.fanout.shared_params({shared_cells}, {n}))")
         return mode, "requested"
     if mode != "auto":
         raise FanoutError(f"unknown fan-out mode {mode!r}; choose auto, isolated or shared")
@@ -204,6 +286,8 @@ def _choose_mode(mode: Mode, n: int, shared_cells: int, limit: int) -> tuple[str
         return "isolated", "auto: one branch has nothing to share a context with"
     if not fits:
         return "isolated", f"auto: {n} branches need {shared_cells} shared cells > {limit}"
+    if misfit is not None:
+        return "isolated", f"auto: the context pool cannot share: {misfit}"
     return "shared", f"auto: {n} branches fit one context ({shared_cells} cells <= {limit})"
 
 
@@ -215,9 +299,11 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
 
     ``max_ctx`` caps the cells of a shared context (default: the model's training
     context; more works but stretches RoPE past what the model was trained on).
-    ``pool`` lets repeated isolated fan-outs reuse contexts; its parameters must leave
-    each sequence room for document + longest branch. Budgets are checked before any
-    context is created.
+    ``pool`` lets repeated fan-outs reuse contexts: in isolated mode its sequences need
+    room for document + longest branch; in shared mode it must be unified with room for
+    every branch (:func:`shared_params`). Budgets are checked before any context or
+    buffer is allocated; ``n_batch`` and ``n_threads`` apply only to contexts created
+    without a pool.
     """
     t0 = time.perf_counter()
     items = [b if isinstance(b, Branch) else Branch(b) for b in branches]
@@ -226,45 +312,56 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
     doc = model.tokenize(document) if isinstance(document, str) else list(document)
     if not doc:
         raise FanoutError("the shared document is empty")
-    needs = [branch_budget(model, b)[1] for b in items]
+    budgets = [branch_budget(model, b) for b in items]
+    prompts = [tokens for tokens, _ in budgets]
+    needs = [need for _, need in budgets]
     shared_cells = len(doc) + sum(needs)
-    chosen, reason = _choose_mode(mode, len(items), shared_cells, max_ctx or model.n_ctx_train)
+    chosen, reason = _choose_mode(mode, len(items), shared_cells, max_ctx or model.n_ctx_train, pool)
+    created = pool.created if pool is not None else 0
+
     if chosen == "shared":
-        params = ContextParams(n_ctx=_align(shared_cells), n_batch=n_batch, n_ubatch=min(n_batch, 512),
-                               n_seq_max=len(items), kv_unified=True, n_threads=n_threads)
-        with Context(model, params) as ctx:
+        params = pool.params if pool is not None else shared_params(shared_cells, len(items), n_batch=n_batch,
+                                                                   n_threads=n_threads)
+        with _context(pool, params, model) as ctx, Batch(max(ctx.n_batch, len(items))) as batch:
             t_pre = time.perf_counter()
-            prefill(ctx, doc, progress=progress, logits_last=False)
+            prefill(ctx, doc, batch=batch, progress=progress, logits_last=False)
             t_fork = time.perf_counter()
             for seq in range(1, len(items)):
                 ctx.seq_cp(0, seq)
             t_branches = time.perf_counter()
-            results = run_branches(ctx, items, range(len(items)), len(doc), exact=exact, t_start=t_fork)
-        fork_ms = (t_branches - t_fork) * 1e3
-        return FanoutResult("shared", reason, exact, len(doc), (t_fork - t_pre) * 1e3, fork_ms, results,
-                            (time.perf_counter() - t0) * 1e3)
+            results = run_branches(ctx, items, range(len(items)), len(doc), exact=exact, t_start=t_fork,
+                                   prompts=prompts, batch=batch)
+        made = pool.created - created if pool is not None else 1
+        return FanoutResult("shared", reason, exact, len(doc), (t_fork - t_pre) * 1e3, (t_branches - t_fork) * 1e3,
+                            results, (time.perf_counter() - t0) * 1e3, made)
 
     need = len(doc) + max(needs)
     own_pool = pool is None
     if pool is None:
-        pool = ContextPool(model, ContextParams(n_ctx=_align(need), n_batch=n_batch, n_ubatch=min(n_batch, 512),
-                                                n_threads=n_threads), max_idle=1)
+        pool = ContextPool(model, isolated_params(need, n_batch=n_batch, n_threads=n_threads), max_idle=1)
     elif pool.params.n_ctx // (1 if pool.params.kv_unified else pool.params.n_seq_max) < need:
         raise FanoutError(f"the context pool's sequences have {pool.params.n_ctx} cells; document ({len(doc)}) + "
                           f"longest branch ({max(needs)}) needs {need}")
+    snapshot: Snapshot | None = None
     try:
-        with pool.lease() as ctx:
-            t_pre = time.perf_counter()
-            prefill(ctx, doc, progress=progress, logits_last=False)
-            t_fork = time.perf_counter()
-            snapshot = Snapshot.capture(ctx, 0, pool=host_pool, tokens=doc)
-            t_captured = time.perf_counter()
-        try:
-            results = [run_isolated(snapshot, b, pool) for b in items]
-        finally:
-            snapshot.release()
+        with Batch(max(pool.params.n_batch, 1)) as batch:
+            with pool.lease() as ctx:
+                t_pre = time.perf_counter()
+                prefill(ctx, doc, batch=batch, progress=progress, logits_last=False)
+                t_fork = time.perf_counter()
+                if len(items) > 1:  # the other branches restore this; the first continues right here
+                    snapshot = Snapshot.capture(ctx, 0, pool=host_pool, tokens=doc)
+                t_captured = time.perf_counter()
+                results = run_branches(ctx, items[:1], [0], len(doc), exact=True, t_start=t_captured,
+                                       prompts=prompts[:1], batch=batch)
+            if snapshot is not None:
+                results += [run_isolated(snapshot, b, pool, prompt=prompt, batch=batch)
+                            for b, prompt in zip(items[1:], prompts[1:])]
     finally:
+        if snapshot is not None:
+            snapshot.release()
+        made = pool.created - created
         if own_pool:
             pool.close()
     return FanoutResult("isolated", reason, True, len(doc), (t_fork - t_pre) * 1e3, (t_captured - t_fork) * 1e3,
-                        results, (time.perf_counter() - t0) * 1e3)
+                        results, (time.perf_counter() - t0) * 1e3, made)

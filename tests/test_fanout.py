@@ -11,7 +11,7 @@ import pytest
 from kvrt.batch import Batch
 from kvrt.context import Context, ContextParams
 from kvrt.contextpool import ContextPool
-from kvrt.fanout import Branch, FanoutError, fanout
+from kvrt.fanout import Branch, FanoutError, branch_budget, fanout, shared_params
 from kvrt.generation import GenerationParams, generate, prefill
 from kvrt.model import Model
 from kvrt.sampling import SamplingParams
@@ -125,12 +125,65 @@ def test_stop_strings_and_per_branch_seeds(tiny_model, isolated):
     assert sampled(7, "isolated") == sampled(7, "isolated") == sampled(7, "shared")
 
 
-def test_isolated_mode_reuses_pooled_contexts(tiny_model):
+def test_isolated_mode_reuses_pooled_contexts(tiny_model, references):
     with ContextPool(tiny_model, ContextParams(n_ctx=512)) as pool:
-        fanout(tiny_model, TEXT, BRANCHES, mode="isolated", pool=pool)
-        fanout(tiny_model, TEXT, BRANCHES, mode="isolated", pool=pool)
-        assert pool.created == 1  # prefill and all six branches ran on one context, leased in turn
-        assert pool.reused == 7
+        first = fanout(tiny_model, TEXT, BRANCHES, mode="isolated", pool=pool)
+        second = fanout(tiny_model, TEXT, BRANCHES, mode="isolated", pool=pool)
+        # prefill + first branch on one lease, then one lease per restored branch; one context for all of it
+        assert pool.created == 1 and pool.reused == 5
+        assert (first.contexts_created, second.contexts_created) == (1, 0)
+        assert [b.restore_ms for b in second.branches][0] == 0.0  # branch 1 continued in the prefill context
+        assert all(b.restore_ms > 0 for b in second.branches[1:])
+        assert [b.completion.tokens for b in second.branches] == references
+
+
+def test_one_isolated_branch_needs_no_snapshot(tiny_model, references, monkeypatch):
+    import kvrt.fanout
+
+    def no_capture(*_args, **_kwargs):
+        raise AssertionError("one branch should continue in the prefill context, not capture a snapshot")
+
+    monkeypatch.setattr(kvrt.fanout.Snapshot, "capture", no_capture)
+    result = fanout(tiny_model, TEXT, BRANCHES[:1], mode="isolated")
+    assert result.branches[0].completion.tokens == references[0] and result.fork_ms < 1.0
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "batched"])
+def test_shared_mode_reuses_a_pooled_context(tiny_model, isolated, exact):
+    """A unified pooled context, larger than needed (4 sequences, 1024 cells), serves repeated shared fan-outs:
+    created once, emptied by seq_rm in between, and the greedy tokens still equal isolated mode's."""
+    doc_len = len(tiny_model.tokenize(TEXT))
+    cells = doc_len + sum(branch_budget(tiny_model, b)[1] for b in BRANCHES)
+    with ContextPool(tiny_model, shared_params(1024, 4)) as pool:
+        assert cells <= pool.params.n_ctx
+        runs = [fanout(tiny_model, TEXT, BRANCHES, mode="shared", exact=exact, pool=pool) for _ in range(3)]
+        assert (pool.created, pool.reused) == (1, 2)
+        assert [r.contexts_created for r in runs] == [1, 0, 0]
+        for run in runs:
+            assert run.mode == "shared"
+            assert [b.completion.tokens for b in run.branches] == [b.completion.tokens for b in isolated.branches]
+        # auto picks shared when the pool can share; the pooled context comes back empty
+        auto = fanout(tiny_model, TEXT, BRANCHES[:2], pool=pool)
+        assert auto.mode == "shared" and auto.contexts_created == 0
+        ctx = pool.acquire()
+        try:
+            assert list(ctx.sequences()) == []
+        finally:
+            pool.release(ctx)
+
+
+def test_shared_mode_refuses_a_pool_that_cannot_hold_it_before_allocating(tiny_model):
+    with ContextPool(tiny_model, shared_params(256, 2)) as pool:
+        with pytest.raises(FanoutError, match=r"cannot use the context pool: its contexts hold 2 sequences, 3"):
+            fanout(tiny_model, TEXT, BRANCHES, mode="shared", pool=pool)
+        with pytest.raises(FanoutError, match=r"its contexts have 256 cells, document \+ every branch needs \d+"):
+            fanout(tiny_model, TEXT * 3, BRANCHES[:2], mode="shared", pool=pool)
+        assert pool.created == 0
+    with ContextPool(tiny_model, ContextParams(n_ctx=512)) as pool:
+        with pytest.raises(FanoutError, match="not kv_unified"):
+            fanout(tiny_model, TEXT, BRANCHES, mode="shared", pool=pool)
+        auto = fanout(tiny_model, TEXT, BRANCHES, pool=pool)  # auto falls back to what the pool can serve
+        assert auto.mode == "isolated" and "cannot share" in auto.reason
 
 
 def test_budget_and_argument_errors_name_the_numbers(tiny_model):
