@@ -57,6 +57,9 @@ class Resize:
     state_bytes: int
     seconds: float
     on_path: bool = True  # False: done ahead, between requests (grow_ahead)
+    capture_s: float = 0.0  # of ``seconds``: copying the state out of the old context
+    create_s: float = 0.0  # creating the new context (llama.cpp allocates and clears its KV here)
+    restore_s: float = 0.0  # loading the state into the new context
 
 
 class ElasticContext:
@@ -100,6 +103,7 @@ class ElasticContext:
         self._ctx: Context | None = None
         self._host = host_pool if host_pool is not None else HostPool()
         self._swapped: tuple[HostBuffer | None, int, int] | None = None  # (state, its bytes, tokens) when out
+        self._open_s = (0.0, 0.0)  # the last _open's (create, restore) seconds
         self.resizes: list[Resize] = []
         self._open(self.bucket(1))
 
@@ -208,6 +212,7 @@ class ElasticContext:
             raise KvrtError(f"cannot move {held} tokens into a context of {n_ctx} cells")
         t0 = time.perf_counter()
         buffer, n, _ = self._capture(old)
+        t_captured = time.perf_counter()
         old_charge, old_n_ctx = self._charge, old.n_ctx
         self._charge = None
         try:
@@ -221,16 +226,21 @@ class ElasticContext:
         old.close()
         if old_charge is not None and self._ledger is not None:
             self._ledger.release(old_charge)
-        self.resizes.append(Resize(old_n_ctx, self.n_ctx, held, n, time.perf_counter() - t0, on_path))
+        create_s, restore_s = self._open_s
+        self.resizes.append(Resize(old_n_ctx, self.n_ctx, held, n, time.perf_counter() - t0, on_path,
+                                   t_captured - t0, create_s, restore_s))
 
     def _open(self, n_ctx: int, state: np.ndarray | None = None) -> None:
         """Charge, create a context of ``n_ctx`` cells and load ``state`` into it; on failure nothing is kept."""
         charge = self._ledger.try_reserve(self.context_bytes(n_ctx), self.owner) if self._ledger is not None else None
         try:
+            t0 = time.perf_counter()
             ctx = Context(self.model, replace(self._params, n_ctx=n_ctx))
+            t1 = time.perf_counter()
             try:
                 if state is not None and state.size:
                     ctx.seq_state_set(state, SEQ)
+                self._open_s = (t1 - t0, time.perf_counter() - t1)
             except BaseException:
                 ctx.close()
                 raise

@@ -580,7 +580,8 @@ def part_c(args: argparse.Namespace) -> dict[str, Any]:
                                        off_path_ms=sum(r.seconds for r in off) * 1e3, off_path_moves=len(off),
                                        moved_state_mb=sum(r.state_bytes for r in agent.resizes) / 1e6)
             moves_seen = [{"from": r.from_ctx, "to": r.to_ctx, "tokens": r.n_tokens, "state_mb": r.state_bytes / 1e6,
-                           "ms": r.seconds * 1e3, "on_path": r.on_path} for r in agent.resizes]
+                           "ms": r.seconds * 1e3, "on_path": r.on_path, "capture_ms": r.capture_s * 1e3,
+                           "create_ms": r.create_s * 1e3, "restore_ms": r.restore_s * 1e3} for r in agent.resizes]
         with Context(model, n_ctx=final_ctx) as ctx:
             two_turns("fixed", lambda turn: generate(ctx, turn, params))
             runs["fixed"][-1].update(growth_ms=0.0, moves=0, on_path_empty_ms=0.0, off_path_ms=0.0, off_path_moves=0, moved_state_mb=0.0)
@@ -612,7 +613,9 @@ def part_c(args: argparse.Namespace) -> dict[str, Any]:
           f"on + off = {result['growth_over_prefill'] + result['off_path_over_prefill']:.1%}")
     for mv in moves_seen:
         print(f"    move {mv['from']:>6} -> {mv['to']:>6} cells carrying {mv['tokens']:>6} tokens "
-              f"({mv['state_mb']:.1f} MB): {mv['ms']:.1f} ms {'on the path' if mv['on_path'] else 'ahead'}")
+              f"({mv['state_mb']:.1f} MB): {mv['ms']:.1f} ms {'on the path' if mv['on_path'] else 'ahead'} "
+              f"(state out {mv['capture_ms']:.1f}, create context {mv['create_ms']:.1f}, state in "
+              f"{mv['restore_ms']:.1f} ms)")
     print(f"  best of {args.repeats}: ms/token ratio {result['best_tpot_ratio']:.3f}, growth/prefill "
           f"{result['best_growth_over_prefill']:.1%}")
     return result

@@ -10,7 +10,8 @@
 # turn 2 (needs 8,056 cells) should find its room there: no move on its path.
 # Look for: "tokens equal: True"; the ms/token ratio elastic/fixed (target within 2%); the
 # growth "on the critical path" as a share of the prefill (target < 5%), and separately the
-# "off the path" move; the per-move lines (from -> to, tokens carried, ms, on path or ahead).
+# "off the path" move; the per-move lines (from -> to, tokens carried, ms, on path or ahead, and
+# the split: state out / create context / state in -- which part dominates on CUDA is not known yet).
 # Also the CPU-run test of token equality, on the GPU build.
 # Writes everything under $RESULTS/elastic/.
 set -uo pipefail
