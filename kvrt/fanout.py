@@ -81,9 +81,10 @@ class BranchResult:
     """A branch's completion and its timings.
 
     ``activation_ms`` is the branch-specific work before its first token (isolated:
-    context lease + restore + prompt + first sample; shared: fork + prompt + first
-    sample, counted from the start of the branch phase) - the seed's "branch
-    activation latency". ``restore_ms`` isolates the state transfer within it.
+    context lease + restore + prompt + first sample, the first branch only prompt +
+    first sample in the prefill context; shared: fork + prompt + first sample, counted
+    from the start of the branch phase) - the seed's "branch activation latency".
+    ``restore_ms`` isolates the state transfer within it.
     """
 
     name: str

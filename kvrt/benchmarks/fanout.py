@@ -138,8 +138,9 @@ def headline_row(trial: int, base: Baseline, run: FanoutResult) -> dict[str, Any
 
 ON_THE_CLOCK = ("on the clock - baseline (the seed's): per branch a fresh context is created, prefills the whole "
                 "document, decodes the branch and is freed. kvrt: one prefill into an already-created pooled "
-                "context, then capture+restore (isolated) or seq_cp (shared) and the branches; pools and the pinned "
-                "snapshot buffer were made by an untimed warm-up run per mode")
+                "context, then capture+restore (isolated) or seq_cp (shared) and the branches; the pools' contexts "
+                "and the host-pool snapshot buffer (pinned on a GPU machine) were made by an untimed warm-up run per "
+                "mode")
 
 
 def _pools(model: Model, doc_tokens: int, branches: list[Branch], args: argparse.Namespace,
