@@ -39,6 +39,7 @@ class Batch(OwnsHandle):
         self._seq0 = [raw.seq_id[i] for i in range(capacity)]
         self.n_tokens = 0
         self.outputs: dict[int, int] = {}
+        self.seq_bounds = (0, -1)  # smallest and largest sequence id added since clear()
 
     @property
     def raw(self) -> object:
@@ -50,6 +51,11 @@ class Batch(OwnsHandle):
     def clear(self) -> None:
         self.n_tokens = 0
         self.outputs = {}
+        self.seq_bounds = (0, -1)
+
+    def _note_seqs(self, low: int, high: int) -> None:
+        lo, hi = self.seq_bounds
+        self.seq_bounds = (low, high) if hi < lo else (min(lo, low), max(hi, high))
 
     def _reserve(self, n: int) -> int:
         start = self.n_tokens
@@ -69,6 +75,7 @@ class Batch(OwnsHandle):
         self._n_seq[row] = len(ids)
         for j, seq in enumerate(ids):
             self._seq0[row][j] = seq
+        self._note_seqs(min(ids), max(ids))
         self._logits[row] = 1 if logits else 0
         if logits:
             self.outputs[row] = row
@@ -91,14 +98,18 @@ class Batch(OwnsHandle):
         self._n_seq[start:end] = 1
         for row in range(start, end):
             self._seq0[row][0] = seq_id
+        self._note_seqs(seq_id, seq_id)
         self._logits[start:end] = 0
         if logits_last:
             self._logits[end - 1] = 1
             self.outputs[end - 1] = end - 1
         return end - 1
 
-    def rows(self) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
-        """Tokens, positions and sequence ids of the filled rows (for validation)."""
-        n = self.n_tokens
-        seqs = [[self._seq0[r][j] for j in range(self._n_seq[r])] for r in range(n)]
-        return self._token[:n].copy(), self._pos[:n].copy(), seqs
+    @property
+    def tokens(self) -> np.ndarray:
+        """The filled rows' tokens (a view: valid until the batch changes)."""
+        return self._token[: self.n_tokens]
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self._pos[: self.n_tokens]

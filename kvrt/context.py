@@ -191,7 +191,7 @@ class Context(OwnsHandle):
 
     # -- decoding ---------------------------------------------------------------------
     def _validate(self, batch: Batch) -> None:
-        tokens, positions, seqs = batch.rows()
+        tokens, positions = batch.tokens, batch.positions
         if tokens.size == 0:
             raise DecodeError("llama_decode", "empty batch")
         if tokens.size > self.n_batch:
@@ -201,17 +201,16 @@ class Context(OwnsHandle):
             raise DecodeError("llama_decode", f"token {int(tokens[bad[0]])} at row {int(bad[0])} is outside "
                               f"the vocabulary [0, {self._n_vocab})")
         limit = self.n_ctx_seq
-        if positions.size and int(positions.max()) >= limit:
+        if int(positions.max()) >= limit:
             raise DecodeError(
                 "llama_decode",
                 f"decoding past n_ctx: position {int(positions.max())} does not fit a sequence of {limit} cells",
                 n_ctx=self.n_ctx,
             )
-        n_seq = self.n_seq_max
-        for row_seqs in seqs:
-            for seq in row_seqs:
-                if not 0 <= seq < n_seq:
-                    raise DecodeError("llama_decode", f"sequence id {seq} outside [0, {n_seq})")
+        low, high = batch.seq_bounds
+        if low < 0 or high >= self.n_seq_max:
+            bad_seq = low if low < 0 else high
+            raise DecodeError("llama_decode", f"sequence id {bad_seq} outside [0, {self.n_seq_max})")
 
     def decode(self, batch: Batch) -> None:
         """Run one batch through the model; raises :class:`DecodeError` on any failure.

@@ -110,14 +110,18 @@ class HostDriver:
     A reserved range is a zero-initialised host array (the OS commits it lazily). Mapping
     records which page backs which address; unmapping poisons the bytes so a reader of a
     range it no longer owns sees NaNs. ``capacity_pages`` limits how many physical pages
-    may exist at once, so tests can drive the out-of-memory path.
+    may exist at once, so tests can drive the out-of-memory path. ``poison=False`` skips
+    the poisoning, for long traces that never read the KV (it would commit host memory
+    for every page ever unmapped).
     """
 
-    def __init__(self, page_bytes: int = DEFAULT_PAGE_BYTES, *, capacity_pages: int | None = None) -> None:
+    def __init__(self, page_bytes: int = DEFAULT_PAGE_BYTES, *, capacity_pages: int | None = None,
+                 poison: bool = True) -> None:
         if page_bytes <= 0 or page_bytes % 256:
             raise VmmError("HostDriver", f"page_bytes must be a positive multiple of 256, got {page_bytes}")
         self.page_bytes = page_bytes
         self.capacity_pages = capacity_pages
+        self.poison = poison
         self._lock = threading.Lock()
         self._ranges: dict[int, _HostRange] = {}
         self._pages: dict[int, int | None] = {}  # handle -> va it is mapped at, or None
@@ -207,7 +211,8 @@ class HostDriver:
             if handle is None:
                 raise VmmError("unmap_page", f"nothing is mapped at {va:#x}")
             self._pages[handle] = None
-            rng.data[offset:offset + self.page_bytes] = _POISON
+            if self.poison:
+                rng.data[offset:offset + self.page_bytes] = _POISON
 
     def array(self, va: int, shape: tuple[int, ...], dtype: Any, owner: object) -> np.ndarray:
         dt = np.dtype(dtype)

@@ -108,21 +108,8 @@ def _summary_us(values_s: list[float]) -> dict[str, float]:
 def _driver(kind: str, page_bytes: int = 2 * MiB) -> Any:
     from kvrt.vmm import CudaDriver, HostDriver
 
-    class TraceHostDriver(HostDriver):
-        """HostDriver without the poison write on unmap: the trace never reads the KV, and poisoning
-        would commit host memory for every page ever unmapped (tens of GiB over a long trace)."""
-
-        def unmap_page(self, va: int) -> None:
-            with self._lock:
-                rng, offset = self._locate(va, self.page_bytes, "unmap_page")
-                handle = rng.mapped.pop(offset // self.page_bytes, None)
-                if handle is None:
-                    raise VmmError("unmap_page", f"nothing is mapped at {va:#x}")
-                self._pages[handle] = None
-
-    from kvrt.vmm import VmmError
-
-    return CudaDriver() if kind == "cuda" else TraceHostDriver(page_bytes)
+    # the trace never reads the KV: poisoning unmapped pages would only commit host memory
+    return CudaDriver() if kind == "cuda" else HostDriver(page_bytes, poison=False)
 
 
 # -- part a -------------------------------------------------------------------------------
