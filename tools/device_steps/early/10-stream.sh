@@ -31,7 +31,7 @@ bench() {  # name, timeout, args...
 bench seed8 15                                    # seed defaults: --n-layers 8 --bytes-per-layer 67108864 --compute-iters 64
 bench seed16 15 --n-layers 16
 bench fma8 20 --n-layers 8 --sweep
-bench fma32 25 --n-layers 32 --sweep
+bench fma32 40 --n-layers 32 --compute-iters 265 --sweep --sweep-values 128,256,512,1024
 bench layer16 40 --mode layer --n-layers 16 --tokens 1024 --sweep --sweep-values 256,2048,4096,8192
 
 python3 - "$OUT_DIR" <<'EOF'
