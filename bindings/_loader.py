@@ -8,10 +8,10 @@ the same copy of llama.cpp in the process and handles can be passed between them
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import sys
 import threading
+import warnings
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -97,9 +97,11 @@ def _open() -> tuple[Any, Any]:
         raise LibraryError(f"cannot open llama.cpp libraries in {directory}: {exc}") from exc
     _check_layout(llama)
     if numpy_first and llama.llama_supports_gpu_offload():
-        logging.getLogger("kvrt").warning(
+        warnings.warn(
             "llama.cpp (a GPU build) was loaded after NumPy; on the H200 machine that order segfaulted "
-            "in model loading. Import kvrt before numpy (tools/probe_import_order.py checks a machine)."
+            "in model loading. Import kvrt before numpy (tools/probe_import_order.py checks a machine).",
+            RuntimeWarning,
+            stacklevel=2,
         )
     return llama, ggml_lib
 

@@ -7,10 +7,12 @@ Names are imported lazily so that ``import kvrt`` stays cheap and GPU-only parts
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 __version__ = "0.1.0"
 NO_PRELOAD_ENV = "KVRT_NO_PRELOAD"
+logging.getLogger(__name__).addHandler(logging.NullHandler())  # a library logs only where the app asks
 
 
 def _preload_llama() -> None:
