@@ -91,7 +91,7 @@ def weights(blob: Any, shape: LayerShape) -> dict[str, Any]:
 def fill_random(blob: Any, shape: LayerShape, seed: int, xp: ModuleType) -> None:
     """Random weights into ``blob``: matrices ~ N(0, 1/fan_in) (activations stay O(1)), norms ~ 1."""
     rng = xp.random.default_rng(seed)
-    for name, view in weights(blob, shape).items():
+    for view in weights(blob, shape).values():
         values = rng.standard_normal(view.shape, dtype=xp.float32)
         view[...] = 1.0 + 0.1 * values if view.ndim == 1 else values / math.sqrt(view.shape[0])
 

@@ -112,7 +112,7 @@ def test_register_refusals_change_nothing(tiny_model_path, tmp_path):
             sched.register("a", tiny_model_path, N_CTX)
         broken = tmp_path / "broken.gguf"
         broken.write_bytes(b"GGUF" + b"\0" * 64)
-        with pytest.raises(Exception):
+        with pytest.raises(EstimateError, match="version 0"):
             sched.register("b", broken, N_CTX)
         assert ledger.snapshot() == before
         assert [a["agent_id"] for a in sched.agents()] == ["a"]

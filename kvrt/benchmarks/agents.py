@@ -33,7 +33,7 @@ import statistics
 import sys
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -432,7 +432,7 @@ def run(args: argparse.Namespace) -> int:
         raise KvrtError(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
     paths = _models(args, out)
     results: dict[str, Any] = {"machine": {"python": platform.python_version(), "node": platform.node(),
-                                           "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                                           "date": datetime.now(UTC).isoformat(timespec="seconds"),
                                            "gpu": DeviceMeter.gpu_present(), "argv": sys.argv[1:]}}
     for part in parts:
         results[part] = {"coresidence": coresidence, "swap": swap, "timeslice": timeslice}[part](args, paths)

@@ -37,7 +37,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -268,7 +268,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 def _machine(model: Model) -> dict[str, Any]:
     return {"python": platform.python_version(), "machine": platform.machine(), "node": platform.node(),
             "model": model.path.name, "model_desc": model.description,
-            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+            "date": datetime.now(UTC).isoformat(timespec="seconds")}
 
 
 def _plot_headline(best: dict[str, dict[str, Any]], folder: Path) -> None:
