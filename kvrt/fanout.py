@@ -15,9 +15,12 @@ Two modes:
     the first-token logits were identical, greedy tokens too with ``n_threads=1``, but
     with ``n_threads=2`` one branch diverged at step 5 of 6 (cause not yet found).
 ``shared``
-    all branches live in one context with unified KV: ``llama_memory_seq_cp`` makes
-    each branch sequence share the document's cells (metadata only, no copy), and the
-    branches decode together, one ``llama_decode`` per step. ``exact=True`` decodes
+    all branches live in one context with unified KV. The document is prefilled once
+    with every branch's sequence id on every token (:func:`prefill_shared`, as in
+    llama.cpp's ``batched`` example), so its cells belong to all branches from the start
+    and there is no fork step (``fork_ms`` is 0; an earlier version forked with
+    ``llama_memory_seq_cp``, whose cost followed the cache size). The branches decode
+    together, one ``llama_decode`` per step. ``exact=True`` decodes
     each branch alone per step instead: slower, but llama.cpp then picks the same
     kernels as in isolated mode, whereas a mixed batch can move logits by float noise
     (greedy tokens usually agree; measured up to 0.83 on Gemma Q4_K_M, see DESIGN.md).
@@ -82,7 +85,7 @@ class BranchResult:
 
     ``activation_ms`` is the branch-specific work before its first token (isolated:
     context lease + restore + prompt + first sample, the first branch only prompt +
-    first sample in the prefill context; shared: fork + prompt + first sample, counted
+    first sample in the prefill context; shared: prompt + first sample, counted
     from the start of the branch phase) - the seed's "branch activation latency".
     ``restore_ms`` isolates the state transfer within it.
     """
@@ -106,7 +109,8 @@ class FanoutResult:
     exact: bool
     doc_tokens: int
     prefill_ms: float
-    fork_ms: float  # isolated: snapshot capture (0 for one branch); shared: seq_cp of every branch
+    fork_ms: float  # isolated: snapshot capture (0 for one branch); shared: 0 (the prefill gives every branch the
+    # document's cells; its per-sequence bookkeeping is inside prefill_ms)
     branches: list[BranchResult]
     total_ms: float
     contexts_created: int = 0  # llama.cpp contexts this call created (0 when the pool had them ready)
@@ -184,6 +188,48 @@ def _context(pool: ContextPool | None, params: ContextParams, model: Model) -> I
     else:
         with pool.lease() as ctx:
             yield ctx
+
+
+def prefill_shared(ctx: Context, doc: Sequence[int], n_seq: int, *, batch: Batch | None = None,
+                   progress: ProgressFn | None = None) -> None:
+    """Decode ``doc`` once into sequences ``0..n_seq-1`` of an empty unified-KV context.
+
+    Every token is added with all ``n_seq`` sequence ids (llama.cpp's ``batched``
+    example), so each KV cell belongs to every branch from the start and no
+    ``llama_memory_seq_cp`` is needed. The chunks are those of :func:`prefill` and
+    llama.cpp masks attention by a token's first sequence id, so the cells hold what a
+    one-sequence prefill followed by ``seq_cp`` would give. No logits are requested:
+    each branch's prompt supplies the row of its first token.
+
+    The per-sequence bookkeeping does not vanish: llama.cpp's batch allocator and KV
+    cells record each (position, sequence) pair, ``len(doc) * n_seq`` of them, during
+    the prefill instead of during a fork. What goes is the fork's visit of every cell
+    of the cache once per branch.
+    """
+    if not doc:
+        raise FanoutError("the shared document is empty")
+    if not 0 < n_seq <= ctx.n_seq_max:
+        raise FanoutError(f"{n_seq} sequences asked of a context that holds {ctx.n_seq_max}")
+    if ctx.seq_len(0) != 0:
+        raise FanoutError(f"prefill_shared needs an empty context; sequence 0 holds {ctx.seq_len(0)} tokens")
+    if n_seq > 1 and not ctx.params.kv_unified:
+        raise FanoutError("prefill_shared needs a kv_unified context: without it each sequence has its own cells "
+                          "and llama.cpp cannot give one token to several of them")
+    chunk = ctx.n_batch
+    own = batch is None or batch.capacity < chunk or batch.n_seq_max < n_seq
+    work = Batch(chunk, n_seq_max=n_seq) if own else batch
+    seqs = np.arange(n_seq, dtype=np.int32)
+    try:
+        for begin in range(0, len(doc), chunk):
+            part = doc[begin:begin + chunk]
+            work.clear()
+            work.add_sequence(part, begin, seqs, logits_last=False)
+            ctx.decode(work)
+            if progress is not None:
+                progress(begin + len(part), len(doc))
+    finally:
+        if own:
+            work.close()
 
 
 def _decode_round(ctx: Context, batch: Batch, lives: list[_Live], exact: bool) -> None:
@@ -323,17 +369,15 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
     if chosen == "shared":
         params = pool.params if pool is not None else shared_params(shared_cells, len(items), n_batch=n_batch,
                                                                    n_threads=n_threads)
-        with _context(pool, params, model) as ctx, Batch(max(ctx.n_batch, len(items))) as batch:
+        with _context(pool, params, model) as ctx, \
+                Batch(max(ctx.n_batch, len(items)), n_seq_max=len(items)) as batch:
             t_pre = time.perf_counter()
-            prefill(ctx, doc, batch=batch, progress=progress, logits_last=False)
-            t_fork = time.perf_counter()
-            for seq in range(1, len(items)):
-                ctx.seq_cp(0, seq)
-            t_branches = time.perf_counter()
+            prefill_shared(ctx, doc, len(items), batch=batch, progress=progress)
+            t_fork = time.perf_counter()  # no fork: the document's cells already belong to every branch
             results = run_branches(ctx, items, range(len(items)), len(doc), exact=exact, t_start=t_fork,
                                    prompts=prompts, batch=batch)
         made = pool.created - created if pool is not None else 1
-        return FanoutResult("shared", reason, exact, len(doc), (t_fork - t_pre) * 1e3, (t_branches - t_fork) * 1e3,
+        return FanoutResult("shared", reason, exact, len(doc), (t_fork - t_pre) * 1e3, 0.0,
                             results, (time.perf_counter() - t0) * 1e3, made)
 
     need = len(doc) + max(needs)

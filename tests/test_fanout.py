@@ -11,7 +11,7 @@ import pytest
 from kvrt.batch import Batch
 from kvrt.context import Context, ContextParams
 from kvrt.contextpool import ContextPool
-from kvrt.fanout import Branch, FanoutError, branch_budget, fanout, shared_params
+from kvrt.fanout import Branch, FanoutError, branch_budget, fanout, prefill_shared, shared_params
 from kvrt.generation import GenerationParams, generate, prefill
 from kvrt.model import Model
 from kvrt.sampling import SamplingParams
@@ -99,6 +99,63 @@ def test_shared_batch_logits_within_float_tolerance_of_isolated(tiny_model):
     for a, b in zip(alone, together):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
         assert int(np.argmax(a)) == int(np.argmax(b))
+
+
+def test_multi_sequence_document_rows_equal_prefill_then_seq_cp(tiny_model):
+    """The document decoded once with every branch's id on each token gives each branch the logits of a
+    one-sequence prefill + seq_cp (the same computation: bit-identical) and, within float noise (the context is
+    larger and unified), those of an independent recompute of document then prompt in a fresh context."""
+    doc = tiny_model.tokenize(TEXT)
+    prompts = [tiny_model.tokenize(b.prompt, add_special=False) for b in BRANCHES]
+    params = shared_params(1024, len(prompts), n_batch=32)  # several chunks: positions continue across them
+
+    def next_logits(ctx: Context) -> list[np.ndarray]:
+        out = []
+        for seq, prompt in enumerate(prompts):  # each prompt alone: one branch per llama_decode
+            out.append(ctx.logits(prefill(ctx, prompt, seq_id=seq, start_pos=len(doc))))
+        return out
+
+    with Context(tiny_model, params) as ctx, Batch(params.n_batch, n_seq_max=len(prompts)) as batch:
+        prefill_shared(ctx, doc, len(prompts), batch=batch)
+        assert [ctx.seq_len(s) for s in range(len(prompts))] == [len(doc)] * len(prompts)
+        shared = next_logits(ctx)
+    with Context(tiny_model, params) as ctx:
+        prefill(ctx, doc, logits_last=False)
+        for seq in range(1, len(prompts)):
+            ctx.seq_cp(0, seq)
+        copied = next_logits(ctx)
+    for seq, prompt in enumerate(prompts):
+        with Context(tiny_model, n_ctx=512, n_batch=32, n_ubatch=32) as ref:
+            prefill(ref, doc, logits_last=False)
+            reference = ref.logits(prefill(ref, prompt))
+        np.testing.assert_array_equal(shared[seq], copied[seq])
+        np.testing.assert_allclose(shared[seq], reference, rtol=1e-4, atol=1e-4)
+        assert int(np.argmax(shared[seq])) == int(np.argmax(reference))
+    assert not np.array_equal(shared[0], shared[1])  # the branches really differ
+
+
+def test_shared_mode_needs_no_seq_cp(tiny_model, isolated, monkeypatch):
+    def no_fork(*_args, **_kwargs):
+        raise AssertionError("shared mode should give the document to every branch in the prefill, not seq_cp")
+
+    monkeypatch.setattr(Context, "seq_cp", no_fork)
+    shared = fanout(tiny_model, TEXT, BRANCHES, mode="shared")
+    assert shared.fork_ms == 0.0
+    assert [b.completion.tokens for b in shared.branches] == [b.completion.tokens for b in isolated.branches]
+
+
+def test_prefill_shared_refuses_what_llama_cpp_would_reject(tiny_model):
+    doc = tiny_model.tokenize(TEXT)
+    with Context(tiny_model, n_ctx=512, n_seq_max=2) as ctx:
+        with pytest.raises(FanoutError, match="kv_unified"):
+            prefill_shared(ctx, doc, 2)
+        with pytest.raises(FanoutError, match="3 sequences asked of a context that holds 2"):
+            prefill_shared(ctx, doc, 3)
+        assert ctx.seq_len(0) == 0
+    with Context(tiny_model, shared_params(512, 2)) as ctx:
+        prefill(ctx, doc[:4])
+        with pytest.raises(FanoutError, match="needs an empty context; sequence 0 holds 4 tokens"):
+            prefill_shared(ctx, doc, 2)
 
 
 def test_auto_mode_says_what_it_chose(tiny_model):
