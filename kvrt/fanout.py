@@ -18,9 +18,11 @@ Two modes:
     all branches live in one context with unified KV. The document is prefilled once
     with every branch's sequence id on every token (:func:`prefill_shared`, as in
     llama.cpp's ``batched`` example), so its cells belong to all branches from the start
-    and there is no fork step (``fork_ms`` is 0; an earlier version forked with
-    ``llama_memory_seq_cp``, whose cost followed the cache size). The branches decode
-    together, one ``llama_decode`` per step. ``exact=True`` decodes
+    and there is no fork step (``fork_ms`` is 0). llama.cpp still records every
+    (position, branch) pair, now inside the prefill, and on the CPU that costs more per
+    branch than the fork it replaces. ``fork="seq_cp"`` keeps the earlier path: prefill
+    sequence 0, then ``llama_memory_seq_cp`` per branch, whose cost follows the cache
+    size. The branches decode together, one ``llama_decode`` per step. ``exact=True`` decodes
     each branch alone per step instead: slower, but llama.cpp then picks the same
     kernels as in isolated mode, whereas a mixed batch can move logits by float noise
     (greedy tokens usually agree; measured up to 0.83 on Gemma Q4_K_M, see DESIGN.md).
@@ -62,6 +64,7 @@ from kvrt.sampling import Sampler
 from kvrt.snapshot import Snapshot
 
 Mode = Literal["auto", "isolated", "shared"]
+Fork = Literal["ids", "seq_cp"]
 CELL_ALIGN = 256
 LLAMA_MAX_SEQ = 256
 
@@ -109,8 +112,8 @@ class FanoutResult:
     exact: bool
     doc_tokens: int
     prefill_ms: float
-    fork_ms: float  # isolated: snapshot capture (0 for one branch); shared: 0 (the prefill gives every branch the
-    # document's cells; its per-sequence bookkeeping is inside prefill_ms)
+    fork_ms: float  # isolated: snapshot capture (0 for one branch); shared: 0 with fork="ids" (the prefill gives
+    # every branch the document's cells; that bookkeeping is inside prefill_ms), seq_cp of every branch otherwise
     branches: list[BranchResult]
     total_ms: float
     contexts_created: int = 0  # llama.cpp contexts this call created (0 when the pool had them ready)
@@ -201,10 +204,11 @@ def prefill_shared(ctx: Context, doc: Sequence[int], n_seq: int, *, batch: Batch
     one-sequence prefill followed by ``seq_cp`` would give. No logits are requested:
     each branch's prompt supplies the row of its first token.
 
-    The per-sequence bookkeeping does not vanish: llama.cpp's batch allocator and KV
-    cells record each (position, sequence) pair, ``len(doc) * n_seq`` of them, during
-    the prefill instead of during a fork. What goes is the fork's visit of every cell
-    of the cache once per branch.
+    The per-sequence bookkeeping does not vanish, it moves into the prefill: llama.cpp's
+    batch allocator and KV cells each insert every (position, sequence) pair into a
+    ``std::set``, ``len(doc) * n_seq`` of them. On the 2-core CPU (tiny model, 32
+    branches) that cost ~250-275 ns per document token per branch against ~41 ns for
+    ``seq_cp`` (bench/RESULTS.md, issue 3): no fork step, but a longer prefill.
     """
     if not doc:
         raise FanoutError("the shared document is empty")
@@ -341,8 +345,14 @@ def _choose_mode(mode: Mode, n: int, shared_cells: int, limit: int, pool: Contex
 def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branch | str], *,
            mode: Mode = "auto", exact: bool = False, n_batch: int = 512, n_threads: int | None = None,
            max_ctx: int | None = None, pool: ContextPool | None = None, host_pool: HostPool | None = None,
-           progress: ProgressFn | None = None) -> FanoutResult:
+           progress: ProgressFn | None = None, fork: Fork = "ids") -> FanoutResult:
     """Prefill ``document`` once and generate every branch after it (see the module docstring).
+
+    ``fork`` (shared mode): ``"ids"`` prefills the document with every branch's sequence
+    id (no fork step); ``"seq_cp"`` prefills sequence 0 and shares its cells with
+    ``llama_memory_seq_cp`` per branch, the earlier path, kept to compare the two (on the
+    CPU the ids path spends more per branch inside the prefill than ``seq_cp`` did; see
+    :func:`prefill_shared`).
 
     ``max_ctx`` caps the cells of a shared context (default: the model's training
     context; more works but stretches RoPE past what the model was trained on).
@@ -353,6 +363,8 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
     without a pool.
     """
     t0 = time.perf_counter()
+    if fork not in ("ids", "seq_cp"):
+        raise FanoutError(f"unknown shared-mode fork {fork!r}; choose ids or seq_cp")
     items = [b if isinstance(b, Branch) else Branch(b) for b in branches]
     if not items:
         raise FanoutError("fan-out needs at least one branch")
@@ -370,14 +382,21 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
         params = pool.params if pool is not None else shared_params(shared_cells, len(items), n_batch=n_batch,
                                                                    n_threads=n_threads)
         with _context(pool, params, model) as ctx, \
-                Batch(max(ctx.n_batch, len(items)), n_seq_max=len(items)) as batch:
+                Batch(max(ctx.n_batch, len(items)), n_seq_max=len(items) if fork == "ids" else 1) as batch:
             t_pre = time.perf_counter()
-            prefill_shared(ctx, doc, len(items), batch=batch, progress=progress)
-            t_fork = time.perf_counter()  # no fork: the document's cells already belong to every branch
+            if fork == "ids":
+                prefill_shared(ctx, doc, len(items), batch=batch, progress=progress)
+                t_fork = t_branches = time.perf_counter()  # no fork: the cells already belong to every branch
+            else:
+                prefill(ctx, doc, batch=batch, progress=progress, logits_last=False)
+                t_fork = time.perf_counter()
+                for seq in range(1, len(items)):
+                    ctx.seq_cp(0, seq)
+                t_branches = time.perf_counter()
             results = run_branches(ctx, items, range(len(items)), len(doc), exact=exact, t_start=t_fork,
                                    prompts=prompts, batch=batch)
         made = pool.created - created if pool is not None else 1
-        return FanoutResult("shared", reason, exact, len(doc), (t_fork - t_pre) * 1e3, 0.0,
+        return FanoutResult("shared", reason, exact, len(doc), (t_fork - t_pre) * 1e3, (t_branches - t_fork) * 1e3,
                             results, (time.perf_counter() - t0) * 1e3, made)
 
     need = len(doc) + max(needs)

@@ -135,13 +135,19 @@ def test_multi_sequence_document_rows_equal_prefill_then_seq_cp(tiny_model):
 
 
 def test_shared_mode_needs_no_seq_cp(tiny_model, isolated, monkeypatch):
+    expected = [b.completion.tokens for b in isolated.branches]
+    kept = fanout(tiny_model, TEXT, BRANCHES, mode="shared", fork="seq_cp")  # the earlier path, kept to compare
+    assert kept.fork_ms > 0 and [b.completion.tokens for b in kept.branches] == expected
+
     def no_fork(*_args, **_kwargs):
         raise AssertionError("shared mode should give the document to every branch in the prefill, not seq_cp")
 
     monkeypatch.setattr(Context, "seq_cp", no_fork)
     shared = fanout(tiny_model, TEXT, BRANCHES, mode="shared")
     assert shared.fork_ms == 0.0
-    assert [b.completion.tokens for b in shared.branches] == [b.completion.tokens for b in isolated.branches]
+    assert [b.completion.tokens for b in shared.branches] == expected
+    with pytest.raises(FanoutError, match="unknown shared-mode fork 'copy'"):
+        fanout(tiny_model, TEXT, BRANCHES, mode="shared", fork="copy")  # type: ignore[arg-type]
 
 
 def test_prefill_shared_refuses_what_llama_cpp_would_reject(tiny_model):
