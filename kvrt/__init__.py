@@ -58,8 +58,8 @@ _EXPORTS: dict[str, str] = {
     # compute once, fan out
     "Snapshot": "kvrt.snapshot",
     "HostPool": "kvrt.hostpool",
-    "fanout": "kvrt.fanout",
-    "Branch": "kvrt.fanout",
+    "fanout": "kvrt.branches",
+    "Branch": "kvrt.branches",
     "Pipeline": "kvrt.pipeline",
     # admission control and time-slicing
     "VramLedger": "kvrt.ledger",

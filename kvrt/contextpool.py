@@ -4,7 +4,7 @@ Creating a context costs 27-40 ms on the H200 (its KV buffers are allocated and
 cleared), more than restoring a 3.5k-token state from pinned memory; fan-out therefore
 leases contexts from here and gives them back emptied: isolated mode one-sequence
 contexts, shared mode a unified-KV context with room for every branch
-(:func:`kvrt.fanout.shared_params`).
+(:func:`kvrt.branches.shared_params`).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from typing import Any
 from kvrt.context import ContextParams
 from kvrt.contextpool import ContextPool
 from kvrt.errors import KvrtError
-from kvrt.fanout import Branch, branch_budget, run_isolated
+from kvrt.branches import Branch, branch_budget, run_isolated
 from kvrt.generation import GenerationParams, prefill
 from kvrt.hostpool import HostPool
 from kvrt.model import Model

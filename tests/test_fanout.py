@@ -11,7 +11,7 @@ import pytest
 from kvrt.batch import Batch
 from kvrt.context import Context, ContextParams
 from kvrt.contextpool import ContextPool
-from kvrt.fanout import Branch, FanoutError, branch_budget, fanout, prefill_shared, shared_params
+from kvrt.branches import Branch, FanoutError, branch_budget, fanout, prefill_shared, shared_params
 from kvrt.generation import GenerationParams, generate, prefill
 from kvrt.model import Model
 from kvrt.sampling import SamplingParams
@@ -134,16 +134,16 @@ def test_multi_sequence_document_rows_equal_prefill_then_seq_cp(tiny_model):
     assert not np.array_equal(shared[0], shared[1])  # the branches really differ
 
 
-def test_shared_mode_needs_no_seq_cp(tiny_model, isolated, monkeypatch):
+def test_both_shared_forks_give_the_isolated_tokens(tiny_model, isolated, monkeypatch):
     expected = [b.completion.tokens for b in isolated.branches]
-    kept = fanout(tiny_model, TEXT, BRANCHES, mode="shared", fork="seq_cp")  # the earlier path, kept to compare
-    assert kept.fork_ms > 0 and [b.completion.tokens for b in kept.branches] == expected
+    default = fanout(tiny_model, TEXT, BRANCHES, mode="shared")  # seq_cp
+    assert default.fork_ms > 0 and [b.completion.tokens for b in default.branches] == expected
 
     def no_fork(*_args, **_kwargs):
-        raise AssertionError("shared mode should give the document to every branch in the prefill, not seq_cp")
+        raise AssertionError('fork="ids" gives the document to every branch in the prefill, not through seq_cp')
 
     monkeypatch.setattr(Context, "seq_cp", no_fork)
-    shared = fanout(tiny_model, TEXT, BRANCHES, mode="shared")
+    shared = fanout(tiny_model, TEXT, BRANCHES, mode="shared", fork="ids")
     assert shared.fork_ms == 0.0
     assert [b.completion.tokens for b in shared.branches] == expected
     with pytest.raises(FanoutError, match="unknown shared-mode fork 'copy'"):
@@ -201,12 +201,12 @@ def test_isolated_mode_reuses_pooled_contexts(tiny_model, references):
 
 
 def test_one_isolated_branch_needs_no_snapshot(tiny_model, references, monkeypatch):
-    import kvrt.fanout
+    import kvrt.branches
 
     def no_capture(*_args, **_kwargs):
         raise AssertionError("one branch should continue in the prefill context, not capture a snapshot")
 
-    monkeypatch.setattr(kvrt.fanout.Snapshot, "capture", no_capture)
+    monkeypatch.setattr(kvrt.branches.Snapshot, "capture", no_capture)
     result = fanout(tiny_model, TEXT, BRANCHES[:1], mode="isolated")
     assert result.branches[0].completion.tokens == references[0] and result.fork_ms < 1.0
 
@@ -300,3 +300,12 @@ def test_demo_runs_the_two_agent_pipeline(tiny_model_path, capsys):
     out = capsys.readouterr().out
     assert "== Agent 1: overview ==" in out and "== Agent 2: obligations ==" in out
     assert "| Branch-2 activation ms" in out and "redundant prefill removed" in out
+
+
+def test_kvrt_fanout_is_the_function_even_after_its_module_is_imported():
+    """A submodule named like a lazy export would replace it on the package (import sets the attribute)."""
+    import kvrt
+    import kvrt.branches
+
+    assert callable(kvrt.fanout) and kvrt.fanout is kvrt.branches.fanout
+    assert kvrt.Branch is kvrt.branches.Branch

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from kvrt.benchmarks.fanout import run_baseline
     from kvrt.context import ContextParams
     from kvrt.demo_model import demo_model_path
-    from kvrt.fanout import Branch
+    from kvrt.branches import Branch
     from kvrt.generation import GenerationParams
     from kvrt.model import Model
     from kvrt.pipeline import Pipeline

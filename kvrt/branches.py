@@ -16,13 +16,14 @@ Two modes:
     with ``n_threads=2`` one branch diverged at step 5 of 6 (cause not yet found).
 ``shared``
     all branches live in one context with unified KV. The document is prefilled once
-    with every branch's sequence id on every token (:func:`prefill_shared`, as in
-    llama.cpp's ``batched`` example), so its cells belong to all branches from the start
-    and there is no fork step (``fork_ms`` is 0). llama.cpp still records every
-    (position, branch) pair, now inside the prefill, and on the CPU that costs more per
-    branch than the fork it replaces. ``fork="seq_cp"`` keeps the earlier path: prefill
-    sequence 0, then ``llama_memory_seq_cp`` per branch, whose cost follows the cache
-    size. The branches decode together, one ``llama_decode`` per step. ``exact=True`` decodes
+    into sequence 0 and ``llama_memory_seq_cp`` makes every branch share its cells: no
+    KV bytes move, but llama.cpp visits every cell, so the fork's cost follows the cache
+    size (0.3 ms a branch at 3,501 tokens, ~3 ms at 32,000 on the H200).
+    ``fork="ids"`` instead prefills the document with every branch's sequence id on every
+    token (:func:`prefill_shared`, as in llama.cpp's ``batched`` example): no fork step,
+    but llama.cpp then records each (position, branch) pair inside the prefill, which
+    measured ~6x the ``seq_cp`` cost per branch on the CPU (bench/RESULTS.md, issue 3);
+    the default stays ``seq_cp`` until the GPU says otherwise. The branches decode together, one ``llama_decode`` per step. ``exact=True`` decodes
     each branch alone per step instead: slower, but llama.cpp then picks the same
     kernels as in isolated mode, whereas a mixed batch can move logits by float noise
     (greedy tokens usually agree; measured up to 0.83 on Gemma Q4_K_M, see DESIGN.md).
@@ -329,7 +330,7 @@ def _choose_mode(mode: Mode, n: int, shared_cells: int, limit: int, pool: Contex
                               f"allows {limit} (max_ctx) and llama.cpp at most {LLAMA_MAX_SEQ} sequences")
         if misfit is not None:
             raise FanoutError(f"shared mode cannot use the context pool: {misfit} (build its parameters with "
-                              f"kvrt.fanout.shared_params({shared_cells}, {n}))")
+                              f"kvrt.branches.shared_params({shared_cells}, {n}))")
         return mode, "requested"
     if mode != "auto":
         raise FanoutError(f"unknown fan-out mode {mode!r}; choose auto, isolated or shared")
@@ -345,14 +346,14 @@ def _choose_mode(mode: Mode, n: int, shared_cells: int, limit: int, pool: Contex
 def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branch | str], *,
            mode: Mode = "auto", exact: bool = False, n_batch: int = 512, n_threads: int | None = None,
            max_ctx: int | None = None, pool: ContextPool | None = None, host_pool: HostPool | None = None,
-           progress: ProgressFn | None = None, fork: Fork = "ids") -> FanoutResult:
+           progress: ProgressFn | None = None, fork: Fork = "seq_cp") -> FanoutResult:
     """Prefill ``document`` once and generate every branch after it (see the module docstring).
 
-    ``fork`` (shared mode): ``"ids"`` prefills the document with every branch's sequence
-    id (no fork step); ``"seq_cp"`` prefills sequence 0 and shares its cells with
-    ``llama_memory_seq_cp`` per branch, the earlier path, kept to compare the two (on the
-    CPU the ids path spends more per branch inside the prefill than ``seq_cp`` did; see
-    :func:`prefill_shared`).
+    ``fork`` (shared mode): ``"seq_cp"`` (default) prefills sequence 0 and shares its
+    cells with ``llama_memory_seq_cp`` per branch; ``"ids"`` prefills the document with
+    every branch's sequence id and needs no fork step, but spends more per branch inside
+    the prefill on the CPU (see :func:`prefill_shared`); both are kept until the GPU
+    comparison decides.
 
     ``max_ctx`` caps the cells of a shared context (default: the model's training
     context; more works but stretches RoPE past what the model was trained on).
