@@ -43,7 +43,7 @@ from typing import Any
 
 from kvrt.context import Context, ContextParams
 from kvrt.contextpool import ContextPool
-from kvrt.fanout import Branch, FanoutResult, branch_budget, fanout, isolated_params, shared_params
+from kvrt.branches import Branch, FanoutResult, branch_budget, fanout, isolated_params, shared_params
 from kvrt.generation import GenerationParams, generate, prefill
 from kvrt.model import Model
 from kvrt.benchmarks._plotting import draw
