@@ -35,10 +35,18 @@ reserved side by side (up to ``--idle-probe``).
 
 ``--part c`` (CPU or GPU): the same two-turn agent (a quarter of ``--prompt-tokens``,
 then the rest, ``--gen-tokens`` generated after each) in an
-:class:`kvrt.elastic_context.ElasticContext` (starts at 256 cells; turn 2's growth moves
-turn 1's state) and in a fixed context of the elastic one's final size: greedy tokens
-(must be equal), time per generated token, and the growth moves' total time against
-the prefill they accompany.
+:class:`kvrt.elastic_context.ElasticContext` (``max_ctx`` the bucket holding both turns,
+starts at 256 cells; turn 2's growth moves turn 1's state) and in a fixed context of that
+size: greedy tokens (must be equal), time per generated token, and the growth's time on
+the critical path (inside the request: capture, context creation, restore, closing the
+old context) against the prefill it accompanies. ``--arms`` picks the elastic variants:
+``spare`` (a spare context for the first request created at registration from
+``expected_tokens``; between turns ``grow_ahead`` then ``prepare``), ``spare-no-ahead``
+(between turns only ``prepare``: turn 2 moves into the spare on its path) and ``cold``
+(no spares). Work done off the path (spare creation at registration and between turns,
+moves ahead) is timed and reported apart, with the spares' bytes (ledger charge) and how
+long each was held. Context creation at registration (the 256-cell context; the fixed
+arm's whole context) is timed and reported, not counted as growth.
 
 ``--driver host`` runs parts a and b on :class:`kvrt.vmm.HostDriver` to check the
 harness on a CPU machine; its times are not GPU results.
@@ -93,6 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grow-ahead", type=float, default=0.5,
                         help="part c: between turns, move to the next bucket once the sequence fills this share of "
                              "its context (off the critical path; 0 disables)")
+    parser.add_argument("--arms", default="spare,spare-no-ahead,cold",
+                        help="part c: elastic arms, the first is the headline. spare: a spare for the first request "
+                             "at registration (expected_tokens), grow-ahead then prepare() between turns; "
+                             "spare-no-ahead: the same without grow-ahead (turn 2 moves into the spare on its path); "
+                             "cold: no spares (the first request creates its context on its path)")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -517,6 +530,21 @@ def _plot_memory(timelines: dict[tuple[str, float], list[tuple[float, int]]], ca
 # -- part c -------------------------------------------------------------------------------
 
 
+ELASTIC_ARMS = {
+    # name: (expected_tokens at registration, prepare() a spare between turns, use --grow-ahead between turns)
+    "spare": (True, True, True),
+    "spare-no-ahead": (True, True, False),
+    "cold": (False, False, True),
+}
+
+
+def _final_bucket(n_tokens: int, min_ctx: int = 256) -> int:
+    size = min_ctx
+    while size < n_tokens:
+        size *= 2
+    return size
+
+
 def part_c(args: argparse.Namespace) -> dict[str, Any]:
     from kvrt.context import Context
     from kvrt.elastic_context import ElasticContext
@@ -535,76 +563,151 @@ def part_c(args: argparse.Namespace) -> dict[str, Any]:
     params = GenerationParams(max_tokens=args.gen_tokens)
     split = max(1, args.prompt_tokens // 4)
     turns = [prompt[:split], prompt[split:]]  # turn 2's growth carries turn 1's state
-    runs: dict[str, list[dict[str, float]]] = {"fixed": [], "elastic": []}
+    # the agent's maximum and the fixed arm's size: the bucket holding both turns and their generations
+    final_ctx = _final_bucket(args.prompt_tokens + 2 * args.gen_tokens)
+    first_need = len(turns[0]) + args.gen_tokens  # what registration is told the first request needs
+    arms = [a for a in args.arms.split(",") if a]
+    unknown = [a for a in arms if a not in ELASTIC_ARMS]
+    if unknown or not arms:
+        raise SystemExit(f"--arms: unknown {unknown}; choose from {sorted(ELASTIC_ARMS)}")
+    runs: dict[str, list[dict[str, float]]] = {"fixed": [], **{a: [] for a in arms}}
     tokens: dict[str, list[list[int]]] = {}
+    moves_seen: dict[str, list[dict[str, Any]]] = {}
+    spares_seen: dict[str, list[dict[str, Any]]] = {}
 
     def two_turns(arm: str, complete: Any, between: Any = None) -> None:
-        prefill_ms = decode_ms = 0.0
+        """Both turns; every request's wait is inside its ``complete`` (growth included); ``between`` is timed apart."""
+        prefill_ms = decode_ms = request_ms = between_ms = 0.0
         generated: list[list[int]] = []
         t0 = time.perf_counter()
         for i, turn in enumerate(turns):
             if i and between is not None:
+                tb = time.perf_counter()
                 between()  # the agent's idle time between turns: off the critical path
+                between_ms += (time.perf_counter() - tb) * 1e3
+            tr = time.perf_counter()
             done = complete(turn)
+            request_ms += (time.perf_counter() - tr) * 1e3
             prefill_ms += done.timings_ms["prefill_ms"]
             decode_ms += done.timings_ms["decode_ms"]
             generated.append(done.tokens)
-        tokens[arm] = generated
+        tokens.setdefault(arm, generated)
+        if generated != tokens[arm]:
+            tokens[arm] = []  # repeats disagree: never counts as equal
         n = max(sum(len(g) for g in generated), 1)
-        runs[arm].append({"prefill_ms": prefill_ms, "ms_per_token": decode_ms / n,
-                          "total_ms": (time.perf_counter() - t0) * 1e3})
+        runs[arm].append({"prefill_ms": prefill_ms, "ms_per_token": decode_ms / n, "request_ms": request_ms,
+                          "between_ms": between_ms, "total_ms": (time.perf_counter() - t0) * 1e3})
 
-    final_ctx = 0
     for _ in range(args.repeats):
-        with ElasticContext(model, max_ctx=final_ctx or (1 << 20), min_ctx=256) as agent:
-            ahead = (lambda: agent.grow_ahead(args.grow_ahead)) if args.grow_ahead > 0 else None
-            two_turns("elastic", lambda turn: agent.generate(turn, params), ahead)
-            final_ctx = agent.n_ctx
+        for arm in arms:
+            expect, spare, ahead = ELASTIC_ARMS[arm]
+            t_reg = time.perf_counter()
+            agent = ElasticContext(model, max_ctx=final_ctx, min_ctx=256,
+                                   expected_tokens=first_need if expect else None)
+            registration_ms = (time.perf_counter() - t_reg) * 1e3
+            registration_spare_ms = sum(sp.create_s for sp in agent.spares) * 1e3
+            with agent:
+                def between(agent: ElasticContext = agent, spare: bool = spare, ahead: bool = ahead) -> None:
+                    if ahead and args.grow_ahead > 0:
+                        agent.grow_ahead(args.grow_ahead)
+                    if spare:
+                        agent.prepare()  # keep one spare of the next bucket (none at max_ctx)
+
+                two_turns(arm, lambda turn, agent=agent: agent.generate(turn, params), between)
+                # what is still held after the last turn stays held until the agent closes (not timed: not growth)
+                held_after = [(sp.nbytes, agent.spare_held_s()) for sp in agent.spares if sp.outcome == "held"]
+                final = agent.n_ctx
             on = [r for r in agent.resizes if r.on_path]
             off = [r for r in agent.resizes if not r.on_path]
-            runs["elastic"][-1].update(growth_ms=sum(r.seconds for r in on) * 1e3, moves=len(on),
-                                       on_path_empty_ms=sum(r.seconds for r in on if not r.n_tokens) * 1e3,
-                                       off_path_ms=sum(r.seconds for r in off) * 1e3, off_path_moves=len(off),
-                                       moved_state_mb=sum(r.state_bytes for r in agent.resizes) / 1e6)
-            moves_seen = [{"from": r.from_ctx, "to": r.to_ctx, "tokens": r.n_tokens, "state_mb": r.state_bytes / 1e6,
-                           "ms": r.seconds * 1e3, "on_path": r.on_path, "capture_ms": r.capture_s * 1e3,
-                           "create_ms": r.create_s * 1e3, "restore_ms": r.restore_s * 1e3} for r in agent.resizes]
-        with Context(model, n_ctx=final_ctx) as ctx:
-            two_turns("fixed", lambda turn: generate(ctx, turn, params))
-            runs["fixed"][-1].update(growth_ms=0.0, moves=0, on_path_empty_ms=0.0, off_path_ms=0.0, off_path_moves=0, moved_state_mb=0.0)
+            spare_create_ms = sum(sp.create_s for sp in agent.spares) * 1e3
+            runs[arm][-1].update(
+                growth_ms=sum(r.seconds for r in on) * 1e3, moves=len(on),
+                on_path_create_ms=sum(r.create_s for r in on) * 1e3,
+                on_path_empty_ms=sum(r.seconds for r in on if not r.n_tokens) * 1e3,
+                on_path_spare_moves=sum(r.spare for r in on),
+                off_path_move_ms=sum(r.seconds for r in off) * 1e3, off_path_moves=len(off),
+                spare_create_ms=spare_create_ms, off_path_ms=sum(r.seconds for r in off) * 1e3 + spare_create_ms,
+                registration_ms=registration_ms, registration_spare_ms=registration_spare_ms,
+                spares=len(agent.spares), spares_used=sum(sp.outcome == "used" for sp in agent.spares),
+                spare_peak_mb=max((sp.nbytes for sp in agent.spares), default=0) / 1e6,
+                spare_held_ms=sum(sp.held_s for sp in agent.spares) * 1e3,
+                spare_mb_s=sum(sp.nbytes * sp.held_s for sp in agent.spares) / 1e6,
+                spare_held_after_mb=sum(b for b, _ in held_after) / 1e6,
+                moved_state_mb=sum(r.state_bytes for r in agent.resizes) / 1e6, final_ctx=final)
+            moves_seen[arm] = [{"from": r.from_ctx, "to": r.to_ctx, "tokens": r.n_tokens,
+                                "state_mb": r.state_bytes / 1e6, "ms": r.seconds * 1e3, "on_path": r.on_path,
+                                "spare": r.spare, "capture_ms": r.capture_s * 1e3, "create_ms": r.create_s * 1e3,
+                                "restore_ms": r.restore_s * 1e3, "close_ms": r.close_s * 1e3} for r in agent.resizes]
+            spares_seen[arm] = [{"n_ctx": sp.n_ctx, "mb": sp.nbytes / 1e6, "create_ms": sp.create_s * 1e3,
+                                 "held_ms": sp.held_s * 1e3, "outcome": sp.outcome} for sp in agent.spares]
+        t_reg = time.perf_counter()
+        ctx = Context(model, n_ctx=final_ctx)
+        registration_ms = (time.perf_counter() - t_reg) * 1e3
+        with ctx:
+            two_turns("fixed", lambda turn, ctx=ctx: generate(ctx, turn, params))
+            runs["fixed"][-1].update(registration_ms=registration_ms)
     model.close()
     med = {arm: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}
     best = {arm: {k: min(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}  # least disturbed run
-    e, f = med["elastic"], med["fixed"]
+    f = med["fixed"]
+    per_arm = {}
+    for arm in arms:
+        e = med[arm]
+        per_arm[arm] = {
+            "tokens_equal": bool(tokens[arm]) and tokens[arm] == tokens["fixed"],
+            "tpot_ratio_elastic_over_fixed": e["ms_per_token"] / f["ms_per_token"],
+            "growth_over_prefill": e["growth_ms"] / f["prefill_ms"],
+            "off_path_over_prefill": e["off_path_ms"] / f["prefill_ms"],
+            "best_tpot_ratio": best[arm]["ms_per_token"] / best["fixed"]["ms_per_token"],
+            "best_growth_over_prefill": best[arm]["growth_ms"] / best["fixed"]["prefill_ms"],
+            "last_run_moves": moves_seen[arm], "last_run_spares": spares_seen[arm],
+        }
+    head = arms[0]
     result = {
         "model": Path(path).name, "turn_prompt_tokens": [len(t) for t in turns],
-        "gen_tokens": [len(g) for g in tokens["fixed"]],
-        "final_ctx": final_ctx, "tokens_equal": tokens["fixed"] == tokens["elastic"], "median": med, "runs": runs,
-        "tpot_ratio_elastic_over_fixed": e["ms_per_token"] / f["ms_per_token"],
-        "growth_over_prefill": e["growth_ms"] / f["prefill_ms"],
-        "off_path_over_prefill": e["off_path_ms"] / f["prefill_ms"],
-        "grow_ahead_fill": args.grow_ahead, "last_run_moves": moves_seen,
-        "best": best,
-        "best_tpot_ratio": best["elastic"]["ms_per_token"] / best["fixed"]["ms_per_token"],
-        "best_growth_over_prefill": best["elastic"]["growth_ms"] / best["fixed"]["prefill_ms"],
+        "gen_tokens": [len(g) for g in tokens["fixed"]], "final_ctx": final_ctx, "expected_tokens": first_need,
+        "arms": arms, "headline_arm": head,
+        "tokens_equal": all(per_arm[a]["tokens_equal"] for a in arms), "median": med, "runs": runs, "best": best,
+        "per_arm": per_arm, "grow_ahead_fill": args.grow_ahead,
+        # the headline arm's figures under the keys earlier runs used
+        **{k: per_arm[head][k] for k in ("tpot_ratio_elastic_over_fixed", "growth_over_prefill",
+                                           "off_path_over_prefill", "best_tpot_ratio", "best_growth_over_prefill")},
     }
-    print(f"  final n_ctx {final_ctx}, tokens equal: {result['tokens_equal']}")
-    print(f"  ms/token: elastic {e['ms_per_token']:.3f}, fixed {f['ms_per_token']:.3f} "
-          f"(ratio {result['tpot_ratio_elastic_over_fixed']:.3f})")
-    print(f"  growth on the critical path: {e['moves']:.0f} moves, {e['growth_ms']:.1f} ms = "
-          f"{result['growth_over_prefill']:.1%} of the fixed prefill ({f['prefill_ms']:.1f} ms; target < 5%); "
-          f"elastic prefill incl. growth {e['prefill_ms']:.1f} ms; of it {e['on_path_empty_ms']:.1f} ms created a "
-          f"context for an empty sequence (no state carried), {e['growth_ms'] - e['on_path_empty_ms']:.1f} ms moved state")
-    print(f"  growth off the path (grow_ahead at fill {args.grow_ahead:g}, between turns): {e['off_path_moves']:.0f} "
-          f"moves, {e['off_path_ms']:.1f} ms = {result['off_path_over_prefill']:.1%} of the fixed prefill; "
-          f"on + off = {result['growth_over_prefill'] + result['off_path_over_prefill']:.1%}")
-    for mv in moves_seen:
-        print(f"    move {mv['from']:>6} -> {mv['to']:>6} cells carrying {mv['tokens']:>6} tokens "
-              f"({mv['state_mb']:.1f} MB): {mv['ms']:.1f} ms {'on the path' if mv['on_path'] else 'ahead'} "
-              f"(state out {mv['capture_ms']:.1f}, create context {mv['create_ms']:.1f}, state in "
-              f"{mv['restore_ms']:.1f} ms)")
-    print(f"  best of {args.repeats}: ms/token ratio {result['best_tpot_ratio']:.3f}, growth/prefill "
-          f"{result['best_growth_over_prefill']:.1%}")
+    print(f"  agent max_ctx = fixed n_ctx = {final_ctx}; turns {result['turn_prompt_tokens']} prompt tokens, "
+          f"{args.gen_tokens} generated each; registration told {first_need} tokens where an arm uses expected_tokens")
+    print(f"  tokens equal: {result['tokens_equal']} ({', '.join(a + ' ' + str(per_arm[a]['tokens_equal']) for a in arms)}); "
+          f"fixed: prefill {f['prefill_ms']:.1f} ms (both turns), {f['ms_per_token']:.3f} ms/token, its {final_ctx}-cell "
+          f"context created at registration in {f['registration_ms']:.1f} ms")
+    for arm in arms:
+        e, r = med[arm], per_arm[arm]
+        expect, spare, ahead = ELASTIC_ARMS[arm]
+        how = (f"expected_tokens={'yes' if expect else 'no'}, between turns: "
+               + (" + ".join(x for x in ((f"grow_ahead({args.grow_ahead:g})" if ahead and args.grow_ahead > 0 else ""),
+                                         ("prepare()" if spare else "")) if x) or "nothing"))
+        print(f"  [{arm}] ({how})")
+        print(f"    ms/token {e['ms_per_token']:.3f} (ratio to fixed {r['tpot_ratio_elastic_over_fixed']:.3f}); "
+              f"elastic prefill incl. growth {e['prefill_ms']:.1f} ms; requests waited {e['request_ms']:.1f} ms in all "
+              f"(fixed {f['request_ms']:.1f})")
+        print(f"    ON the critical path: {e['moves']:.0f} moves ({e['on_path_spare_moves']:.0f} into a prepared spare), "
+              f"{e['growth_ms']:.2f} ms = {r['growth_over_prefill']:.1%} of the fixed prefill (target < 5%); of it "
+              f"context creation {e['on_path_create_ms']:.2f} ms")
+        print(f"    OFF the path: {e['off_path_ms']:.2f} ms = {r['off_path_over_prefill']:.1%} of the fixed prefill "
+              f"(spare creation {e['spare_create_ms']:.2f} ms, of it {e['registration_spare_ms']:.2f} ms at registration; "
+              f"moves ahead {e['off_path_moves']:.0f}, {e['off_path_move_ms']:.2f} ms); registration in all "
+              f"{e['registration_ms']:.1f} ms, between turns {e['between_ms']:.1f} ms")
+        print(f"    spares: {e['spares']:.0f} made, {e['spares_used']:.0f} used; largest {e['spare_peak_mb']:.1f} MB "
+              f"(ledger charge), held {e['spare_held_ms']:.1f} ms in all = {e['spare_mb_s']:.3f} MB*s; still held after "
+              f"the last turn: {e['spare_held_after_mb']:.1f} MB")
+        for mv in r["last_run_moves"]:
+            print(f"      move {mv['from']:>6} -> {mv['to']:>6} cells carrying {mv['tokens']:>6} tokens "
+                  f"({mv['state_mb']:.1f} MB): {mv['ms']:.2f} ms {'on the path' if mv['on_path'] else 'ahead'}"
+                  f"{' into a spare' if mv['spare'] else ''} (state out {mv['capture_ms']:.2f}, create context "
+                  f"{mv['create_ms']:.2f}, state in {mv['restore_ms']:.2f}, close old {mv['close_ms']:.2f} ms)")
+        for sp in r["last_run_spares"]:
+            print(f"      spare {sp['n_ctx']:>6} cells, {sp['mb']:.1f} MB: created in {sp['create_ms']:.2f} ms, "
+                  f"held {sp['held_ms']:.1f} ms, {sp['outcome']}")
+        print(f"    best of {args.repeats}: ms/token ratio {r['best_tpot_ratio']:.3f}, growth/prefill "
+              f"{r['best_growth_over_prefill']:.1%}")
     return result
 
 
