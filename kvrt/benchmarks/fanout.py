@@ -68,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--n-batch", type=int, default=512)
     parser.add_argument("--skip-headline", action="store_true")
+    parser.add_argument("--fork", choices=("seq_cp", "ids"), default="seq_cp",
+                        help="shared mode's fork: seq_cp per branch, or every branch's id on the document's tokens")
 
 
 def fox_document(model: Model, n_tokens: int) -> list[int]:
@@ -156,13 +158,13 @@ def _pools(model: Model, doc_tokens: int, branches: list[Branch], args: argparse
 
 
 def _warm(model: Model, doc: list[int], branches: list[Branch], pools: dict[str, ContextPool], modes: list[str],
-          run_modes: list[str], max_ctx: int | None = None) -> None:
+          run_modes: list[str], fork: str, max_ctx: int | None = None) -> None:
     """Untimed: create each pool's context, then one fan-out per mode in ``run_modes`` (isolated: pins the
     snapshot buffer of this document's size class; the first run of a process also loads the kernels)."""
     for mode in modes:
         pools[mode].warm(1)
     for mode in run_modes:
-        fanout(model, doc, branches, mode=mode, pool=pools[mode], max_ctx=max_ctx)
+        fanout(model, doc, branches, mode=mode, pool=pools[mode], max_ctx=max_ctx, fork=fork)
 
 
 def headline(model: Model, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
@@ -177,12 +179,12 @@ def headline(model: Model, args: argparse.Namespace, out: Path) -> list[dict[str
     print(ON_THE_CLOCK, file=sys.stderr)
     try:
         print("headline: warm-up, one untimed run per mode", file=sys.stderr)
-        _warm(model, doc, branches, pools, list(MODES), list(MODES))
+        _warm(model, doc, branches, pools, list(MODES), list(MODES), args.fork)
         for trial in range(1, args.trials + 1):
             print(f"headline trial {trial}/{args.trials} ({len(doc)}-token document)", file=sys.stderr)
             base = run_baseline(model, doc, branches, params)
             for mode in MODES:
-                run = fanout(model, doc, branches, mode=mode, pool=pools[mode])
+                run = fanout(model, doc, branches, mode=mode, pool=pools[mode], fork=args.fork)
                 rows.append(headline_row(trial, base, run))
                 r = rows[-1]
                 print(f"  {mode:8s} e2e {r['Kvrt_End_To_End_Ms']:.0f} ms vs {r['Baseline_End_To_End_Ms']:.0f} ms "
@@ -224,16 +226,17 @@ def sweep(model: Model, args: argparse.Namespace, out: Path) -> list[dict[str, A
             warm_runs = [m for m in modes if m == "isolated"]  # shared needs only its context: no host buffer
             print(f"sweep: warm-up for {length} tokens (untimed): pooled contexts for {', '.join(modes)}; one "
                   f"2-branch run for {', '.join(warm_runs) or 'no mode'}", file=sys.stderr)
-            _warm(model, doc, one[:2], pools, modes, warm_runs, max_ctx)
+            _warm(model, doc, one[:2], pools, modes, warm_runs, args.fork, max_ctx)
             for n in ns:
                 for mode in modes:
                     print(f"sweep: N={n} doc={length} {mode}", file=sys.stderr)
                     run = fanout(model, doc, one[:n], mode=mode, pool=pools[mode], max_ctx=max_ctx,
-                                 progress=_progress(f"N={n} {mode}"))
+                                 progress=_progress(f"N={n} {mode}"), fork=args.fork)
                     baseline_ms = per_branch * n
                     later = run.branches[1:] or run.branches
                     rows.append({
-                        "N": n, "Doc_Tokens": length, "Mode": run.mode, "Kvrt_End_To_End_Ms": run.total_ms,
+                        "N": n, "Doc_Tokens": length, "Mode": run.mode,
+                        "Fork": args.fork if run.mode == "shared" else "snapshot", "Kvrt_End_To_End_Ms": run.total_ms,
                         "Kvrt_Prefill_Ms": run.prefill_ms, "Kvrt_Fork_Ms": run.fork_ms,
                         "Fork_Ms_Per_Branch": run.fork_ms / max(n - 1, 1) if run.mode == "shared" else run.fork_ms,
                         "Mean_Activation_Ms": sum(b.activation_ms for b in later) / len(later),
