@@ -150,10 +150,9 @@ def generate(
     if needed > ctx.n_ctx_seq:
         raise KvrtError(f"prompt ({len(tokens)} tokens) + held ({ctx.seq_len(seq_id)}) + max_tokens "
                         f"({params.max_tokens}) = {needed} exceeds the sequence's {ctx.n_ctx_seq} cells")
-    sampler = Sampler(params.sampling)
     stream = SequenceStream(model, params)
     t0 = time.perf_counter()
-    with Batch(max(ctx.n_batch, 1)) as batch:
+    with Sampler(params.sampling) as sampler, Batch(max(ctx.n_batch, 1)) as batch:
         row = prefill(ctx, tokens, seq_id=seq_id, batch=batch, progress=progress)
         t_prefill = time.perf_counter()
         t_first = None
@@ -166,7 +165,6 @@ def generate(
             batch.clear()
             row = batch.add(token, ctx.seq_len(seq_id), seq_id, logits=True)
             ctx.decode(batch)
-    sampler.close()
     t_end = time.perf_counter()
     timings = {
         "prefill_ms": (t_prefill - t0) * 1e3,
