@@ -40,8 +40,3 @@ KVRT_BENCH_MODEL="$MODEL" KVRT_BENCH_DOC_TOKENS=3501 timeout 45 python3 tools/py
 timeout 170 python3 -m kvrt.cli bench fanout --model "$MODEL" --out "$RESULTS" --doc-tokens 3501 --trials 3 \
   --max-tokens 6 --n-batch 2048 --sweep-n 1,2,8,32,50 --sweep-docs 3501,32000 --baseline-branches 1 \
   2>&1 | tr '\r' '\n' | grep -v ': prefill ' | tee "$OUTDIR/bench_fanout.txt"
-# shared mode's other fork (every branch's id on the document's tokens, no seq_cp): same points, compare
-# Fork_Ms_Per_Branch and Kvrt_Prefill_Ms / Kvrt_End_To_End_Ms with the seq_cp rows above
-timeout 60 python3 -m kvrt.cli bench fanout --model "$MODEL" --out "$RESULTS/fanout-ids" --skip-headline --fork ids \
-  --max-tokens 6 --n-batch 2048 --sweep-n 8,50 --sweep-docs 3501,32000 --sweep-modes shared --baseline-branches 1 \
-  2>&1 | tr '\r' '\n' | grep -v ': prefill ' | tee "$OUTDIR/bench_fanout_ids.txt"

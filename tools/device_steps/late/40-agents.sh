@@ -33,8 +33,11 @@ python3 -c "import sys; from kvrt.benchmarks.agents import WIDE_KV; from kvrt.te
 write_model(sys.argv[1], WIDE_KV)" "$WIDE" || { echo "cannot write $WIDE"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
 
+AGENT_PARTS=${AGENT_PARTS:-swap timeslice coresidence tests}   # a subset re-runs only those
+wanted() { case " $AGENT_PARTS " in *" $1 "*) return 0 ;; *) echo "agents $1: skipped (AGENT_PARTS)"; return 1 ;; esac; }
 part() {  # name, timeout, args...
   local name=$1 limit=$2; shift 2
+  wanted "$name" || return 0
   local t=$SECONDS
   timeout "$limit" python3 -m kvrt.cli bench agents --out "$OUT_DIR/$name" --parts "$name" "$@" \
     > "$OUT_DIR/$name.log" 2>&1
@@ -45,6 +48,7 @@ part swap 40 --swap-model "$QWEN" --models "$QWEN,$LLAMA,$WIDE" --swap-docs 4096
 part timeslice 30 --models "$QWEN,$LLAMA,$WIDE" --agents 50 --requests 3 --gen-tokens 12 --live 6 --agent-ctx 1024
 part coresidence 30 --models "$QWEN,$LLAMA,$WIDE" --huge-fraction 0.6
 
+wanted tests || exit 0
 t=$SECONDS
 CUDA_VISIBLE_DEVICES= timeout 25 python3 tools/pytest_llama_first.py -p no:cacheprovider -q -x \
   tests/test_ledger.py tests/test_daemon.py tests/test_scheduler.py bench/bench_ledger.py --benchmark-disable \
