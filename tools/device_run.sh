@@ -7,6 +7,10 @@
 #          (the streamer, elastic and ledger GPU tests run inside their own step scripts)
 # A machine kept warm between two calls keeps /tmp, so `early` then `late` build once.
 # Everything lands in $RESULTS and is packed into $OUT/results.tgz (+ $OUT/summary.txt).
+# Knobs: SKIP_STEP="name ..." skips those step scripts, SKIP_STEPS=1 all of them, SKIP_BASICS=1 the
+# import-order probe and the llama.cpp GPU tests, EXPORT_LLAMA=1 brings the CUDA build back in
+# $OUT/llama-cuda.tar.xz.part* (copy them into .gpu-carry/ and the next cold machine skips the
+# ~270 s build). A cold machine runs `all` within one call's 600 s only with some of that trimmed.
 set -uo pipefail
 phase=${1:-all}
 ROOT=$(pwd)
@@ -86,9 +90,11 @@ case "$phase" in
   late)
     build_llama ;;
 esac
-python3 tools/probe_import_order.py > "$RESULTS/import-order.log" 2>&1; note "import-order probe: $(tail -n 3 "$RESULTS/import-order.log" | tr '\n' ' ')"
-timeout "${PYTEST_TIMEOUT:-300}" python3 tools/pytest_llama_first.py -m gpu -p no:cacheprovider --continue-on-collection-errors -q -rs ${GPU_TESTS:-tests/test_gpu_foundation.py tests/test_snapshot.py} > "$RESULTS/pytest-gpu.log" 2>&1
-note "pytest -m gpu: rc=$? $(tail -n 1 "$RESULTS/pytest-gpu.log")"
+[ -z "${EXPORT_LLAMA:-}" ] || export_llama   # first, so a run cut short still brings the build back
+if [ -z "${SKIP_BASICS:-}" ]; then   # import-order probe and the llama.cpp GPU tests
+  python3 tools/probe_import_order.py > "$RESULTS/import-order.log" 2>&1; note "import-order probe: $(tail -n 3 "$RESULTS/import-order.log" | tr '\n' ' ')"
+  timeout "${PYTEST_TIMEOUT:-300}" python3 tools/pytest_llama_first.py -m gpu -p no:cacheprovider --continue-on-collection-errors -q -rs ${GPU_TESTS:-tests/test_gpu_foundation.py tests/test_snapshot.py} > "$RESULTS/pytest-gpu.log" 2>&1
+  note "pytest -m gpu: rc=$? $(tail -n 1 "$RESULTS/pytest-gpu.log")"
+fi
 [ -n "${SKIP_STEPS:-}" ] || run_steps late
-[ -z "${EXPORT_LLAMA:-}" ] || export_llama
 pack
