@@ -17,13 +17,16 @@ Two modes:
 ``shared``
     all branches live in one context with unified KV. The document is prefilled once
     into sequence 0 and ``llama_memory_seq_cp`` makes every branch share its cells: no
-    KV bytes move, but llama.cpp visits every cell, so the fork's cost follows the cache
-    size (0.3 ms a branch at 3,501 tokens, ~3 ms at 32,000 on the H200).
-    ``fork="ids"`` instead prefills the document with every branch's sequence id on every
-    token (:func:`prefill_shared`, as in llama.cpp's ``batched`` example): no fork step,
-    but llama.cpp then records each (position, branch) pair inside the prefill, which
-    measured ~6x the ``seq_cp`` cost per branch on the CPU (bench/RESULTS.md, issue 3);
-    the default stays ``seq_cp`` until the GPU says otherwise. The branches decode together, one ``llama_decode`` per step. ``exact=True`` decodes
+    KV bytes move, but llama.cpp records every (cell, branch) pair in its bookkeeping,
+    so the fork's host work follows the document's length (~90 ns a cell and branch on
+    the H200's host). ``fork="during_prefill"`` (default) shares each chunk's cells as
+    soon as its ``llama_decode`` returns, so on a GPU that work runs while the chunk is
+    still computing and the branches start right after the prefill;
+    ``fork="after_prefill"`` shares the whole document once the prefill is done (the
+    same cells, the work in series). A third way, every branch's id on every document
+    token in the prefill (llama.cpp's ``batched`` example), was measured and dropped:
+    3x the ``seq_cp`` cost per branch on the H200, 6x on the CPU (bench/RESULTS.md).
+    The branches decode together, one ``llama_decode`` per step. ``exact=True`` decodes
     each branch alone per step instead: slower, but llama.cpp then picks the same
     kernels as in isolated mode, whereas a mixed batch can move logits by float noise
     (greedy tokens usually agree; measured up to 0.83 on Gemma Q4_K_M, see DESIGN.md).
@@ -65,7 +68,8 @@ from kvrt.sampling import Sampler
 from kvrt.snapshot import Snapshot
 
 Mode = Literal["auto", "isolated", "shared"]
-Fork = Literal["ids", "seq_cp"]
+Fork = Literal["during_prefill", "after_prefill"]
+FORKS: tuple[str, ...] = ("during_prefill", "after_prefill")
 CELL_ALIGN = 256
 LLAMA_MAX_SEQ = 256
 
@@ -113,11 +117,12 @@ class FanoutResult:
     exact: bool
     doc_tokens: int
     prefill_ms: float
-    fork_ms: float  # isolated: snapshot capture (0 for one branch); shared: 0 with fork="ids" (the prefill gives
-    # every branch the document's cells; that bookkeeping is inside prefill_ms), seq_cp of every branch otherwise
+    fork_ms: float  # isolated: snapshot capture (0 for one branch); shared: host time of every branch's seq_cp
+    # (with fork="during_prefill" spent inside prefill_ms, under the GPU's compute: see fork_overlapped)
     branches: list[BranchResult]
     total_ms: float
     contexts_created: int = 0  # llama.cpp contexts this call created (0 when the pool had them ready)
+    fork_overlapped: bool = False  # fork_ms was spent between prefill chunks, not after the prefill
 
     @property
     def texts(self) -> list[str]:
@@ -192,49 +197,6 @@ def _context(pool: ContextPool | None, params: ContextParams, model: Model) -> I
     else:
         with pool.lease() as ctx:
             yield ctx
-
-
-def prefill_shared(ctx: Context, doc: Sequence[int], n_seq: int, *, batch: Batch | None = None,
-                   progress: ProgressFn | None = None) -> None:
-    """Decode ``doc`` once into sequences ``0..n_seq-1`` of an empty unified-KV context.
-
-    Every token is added with all ``n_seq`` sequence ids (llama.cpp's ``batched``
-    example), so each KV cell belongs to every branch from the start and no
-    ``llama_memory_seq_cp`` is needed. The chunks are those of :func:`prefill` and
-    llama.cpp masks attention by a token's first sequence id, so the cells hold what a
-    one-sequence prefill followed by ``seq_cp`` would give. No logits are requested:
-    each branch's prompt supplies the row of its first token.
-
-    The per-sequence bookkeeping does not vanish, it moves into the prefill: llama.cpp's
-    batch allocator and KV cells each insert every (position, sequence) pair into a
-    ``std::set``, ``len(doc) * n_seq`` of them. On the 2-core CPU (tiny model, 32
-    branches) that cost ~250-275 ns per document token per branch against ~41 ns for
-    ``seq_cp`` (bench/RESULTS.md, issue 3): no fork step, but a longer prefill.
-    """
-    if not doc:
-        raise FanoutError("the shared document is empty")
-    if not 0 < n_seq <= ctx.n_seq_max:
-        raise FanoutError(f"{n_seq} sequences asked of a context that holds {ctx.n_seq_max}")
-    if ctx.seq_len(0) != 0:
-        raise FanoutError(f"prefill_shared needs an empty context; sequence 0 holds {ctx.seq_len(0)} tokens")
-    if n_seq > 1 and not ctx.params.kv_unified:
-        raise FanoutError("prefill_shared needs a kv_unified context: without it each sequence has its own cells "
-                          "and llama.cpp cannot give one token to several of them")
-    chunk = ctx.n_batch
-    own = batch is None or batch.capacity < chunk or batch.n_seq_max < n_seq
-    work = Batch(chunk, n_seq_max=n_seq) if own else batch
-    seqs = np.arange(n_seq, dtype=np.int32)
-    try:
-        for begin in range(0, len(doc), chunk):
-            part = doc[begin:begin + chunk]
-            work.clear()
-            work.add_sequence(part, begin, seqs, logits_last=False)
-            ctx.decode(work)
-            if progress is not None:
-                progress(begin + len(part), len(doc))
-    finally:
-        if own:
-            work.close()
 
 
 def _decode_round(ctx: Context, batch: Batch, lives: list[_Live], exact: bool) -> None:
@@ -346,14 +308,11 @@ def _choose_mode(mode: Mode, n: int, shared_cells: int, limit: int, pool: Contex
 def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branch | str], *,
            mode: Mode = "auto", exact: bool = False, n_batch: int = 512, n_threads: int | None = None,
            max_ctx: int | None = None, pool: ContextPool | None = None, host_pool: HostPool | None = None,
-           progress: ProgressFn | None = None, fork: Fork = "seq_cp") -> FanoutResult:
+           progress: ProgressFn | None = None, fork: Fork = "during_prefill") -> FanoutResult:
     """Prefill ``document`` once and generate every branch after it (see the module docstring).
 
-    ``fork`` (shared mode): ``"seq_cp"`` (default) prefills sequence 0 and shares its
-    cells with ``llama_memory_seq_cp`` per branch; ``"ids"`` prefills the document with
-    every branch's sequence id and needs no fork step, but spends more per branch inside
-    the prefill on the CPU (see :func:`prefill_shared`); both are kept until the GPU
-    comparison decides.
+    ``fork`` (shared mode): when the branches get the document's cells, chunk by chunk
+    during the prefill (default) or all at once after it.
 
     ``max_ctx`` caps the cells of a shared context (default: the model's training
     context; more works but stretches RoPE past what the model was trained on).
@@ -364,8 +323,8 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
     without a pool.
     """
     t0 = time.perf_counter()
-    if fork not in ("ids", "seq_cp"):
-        raise FanoutError(f"unknown shared-mode fork {fork!r}; choose ids or seq_cp")
+    if fork not in FORKS:
+        raise FanoutError(f"unknown shared-mode fork {fork!r}; choose one of {', '.join(FORKS)}")
     items = [b if isinstance(b, Branch) else Branch(b) for b in branches]
     if not items:
         raise FanoutError("fan-out needs at least one branch")
@@ -382,23 +341,27 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
     if chosen == "shared":
         params = pool.params if pool is not None else shared_params(shared_cells, len(items), n_batch=n_batch,
                                                                    n_threads=n_threads)
-        with _context(pool, params, model) as ctx, \
-                Batch(max(ctx.n_batch, len(items)), n_seq_max=len(items) if fork == "ids" else 1) as batch:
-            t_pre = time.perf_counter()
-            if fork == "ids":
-                prefill_shared(ctx, doc, len(items), batch=batch, progress=progress)
-                t_fork = t_branches = time.perf_counter()  # no fork: the cells already belong to every branch
-            else:
-                prefill(ctx, doc, batch=batch, progress=progress, logits_last=False)
-                t_fork = time.perf_counter()
+        with _context(pool, params, model) as ctx, Batch(max(ctx.n_batch, len(items))) as batch:
+            fork_s = 0.0
+
+            def share(p0: int, p1: int) -> None:
+                nonlocal fork_s
+                t = time.perf_counter()
                 for seq in range(1, len(items)):
-                    ctx.seq_cp(0, seq)
-                t_branches = time.perf_counter()
+                    ctx.seq_cp(0, seq, p0, p1)
+                fork_s += time.perf_counter() - t
+
+            during = fork == "during_prefill" and len(items) > 1
+            t_pre = time.perf_counter()
+            prefill(ctx, doc, batch=batch, progress=progress, logits_last=False, after_chunk=share if during else None)
+            t_fork = time.perf_counter()
+            if not during:
+                share(-1, -1)
             results = run_branches(ctx, items, range(len(items)), len(doc), exact=exact, t_start=t_fork,
                                    prompts=prompts, batch=batch)
         made = pool.created - created if pool is not None else 1
-        return FanoutResult("shared", reason, exact, len(doc), (t_fork - t_pre) * 1e3, (t_branches - t_fork) * 1e3,
-                            results, (time.perf_counter() - t0) * 1e3, made)
+        return FanoutResult("shared", reason, exact, len(doc), (t_fork - t_pre) * 1e3, fork_s * 1e3,
+                            results, (time.perf_counter() - t0) * 1e3, made, fork_overlapped=during)
 
     need = len(doc) + max(needs)
     own_pool = pool is None

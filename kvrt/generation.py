@@ -99,12 +99,19 @@ def prefill(
     batch: Batch | None = None,
     progress: ProgressFn | None = None,
     logits_last: bool = True,
+    after_chunk: Callable[[int, int], None] | None = None,
 ) -> int:
     """Decode ``tokens`` into ``seq_id`` in chunks of ``n_batch``; returns the logits row.
 
     Positions continue from what the sequence already holds unless ``start_pos`` says
     otherwise. The returned row indexes the last chunk's batch and stays valid until
     the next decode on this context.
+
+    ``after_chunk(p0, p1)`` runs after each chunk's ``llama_decode`` returns, with the
+    positions ``[p0, p1)`` it put into the cache. On a GPU build ``llama_decode`` returns
+    while the chunk's last ubatch may still be computing (llama.cpp synchronises on the
+    next decode or output read), so host-side work done here, such as cell bookkeeping,
+    runs under the GPU's compute instead of after it.
     """
     if not tokens:
         raise KvrtError("prefill needs at least one token")
@@ -121,6 +128,8 @@ def prefill(
             last = begin + len(part) == total
             row = work.add_sequence(part, pos + begin, seq_id, logits_last=logits_last and last)
             ctx.decode(work)
+            if after_chunk is not None:
+                after_chunk(pos + begin, pos + begin + len(part))
             if progress is not None:
                 progress(begin + len(part), total)
     finally:

@@ -11,7 +11,7 @@ import pytest
 from kvrt.batch import Batch
 from kvrt.context import Context, ContextParams
 from kvrt.contextpool import ContextPool
-from kvrt.branches import Branch, FanoutError, branch_budget, fanout, prefill_shared, shared_params
+from kvrt.branches import Branch, FanoutError, branch_budget, fanout, shared_params
 from kvrt.generation import GenerationParams, generate, prefill
 from kvrt.model import Model
 from kvrt.sampling import SamplingParams
@@ -101,13 +101,14 @@ def test_shared_batch_logits_within_float_tolerance_of_isolated(tiny_model):
         assert int(np.argmax(a)) == int(np.argmax(b))
 
 
-def test_multi_sequence_document_rows_equal_prefill_then_seq_cp(tiny_model):
-    """The document decoded once with every branch's id on each token gives each branch the logits of a
-    one-sequence prefill + seq_cp (the same computation: bit-identical) and, within float noise (the context is
-    larger and unified), those of an independent recompute of document then prompt in a fresh context."""
+def test_sharing_chunk_by_chunk_during_the_prefill_gives_the_cells_of_seq_cp_after_it(tiny_model):
+    """Each chunk's cells shared as soon as it is decoded give every branch the logits of a whole-document
+    seq_cp after the prefill (the same computation: bit-identical) and, within float noise (the context is larger
+    and unified), those of an independent recompute of document then prompt in a fresh context."""
     doc = tiny_model.tokenize(TEXT)
     prompts = [tiny_model.tokenize(b.prompt, add_special=False) for b in BRANCHES]
     params = shared_params(1024, len(prompts), n_batch=32)  # several chunks: positions continue across them
+    assert len(doc) > 2 * params.n_batch
 
     def next_logits(ctx: Context) -> list[np.ndarray]:
         out = []
@@ -115,53 +116,57 @@ def test_multi_sequence_document_rows_equal_prefill_then_seq_cp(tiny_model):
             out.append(ctx.logits(prefill(ctx, prompt, seq_id=seq, start_pos=len(doc))))
         return out
 
-    with Context(tiny_model, params) as ctx, Batch(params.n_batch, n_seq_max=len(prompts)) as batch:
-        prefill_shared(ctx, doc, len(prompts), batch=batch)
+    chunks = []
+
+    def share(p0: int, p1: int) -> None:
+        chunks.append((p0, p1))
+        assert ctx.seq_len(0) == p1  # the chunk is in the cache when the hook runs
+        for seq in range(1, len(prompts)):
+            ctx.seq_cp(0, seq, p0, p1)
+
+    with Context(tiny_model, params) as ctx:
+        prefill(ctx, doc, logits_last=False, after_chunk=share)
+        assert chunks == [(p, min(p + 32, len(doc))) for p in range(0, len(doc), 32)]
         assert [ctx.seq_len(s) for s in range(len(prompts))] == [len(doc)] * len(prompts)
-        shared = next_logits(ctx)
+        during = next_logits(ctx)
     with Context(tiny_model, params) as ctx:
         prefill(ctx, doc, logits_last=False)
         for seq in range(1, len(prompts)):
             ctx.seq_cp(0, seq)
-        copied = next_logits(ctx)
+        after = next_logits(ctx)
     for seq, prompt in enumerate(prompts):
         with Context(tiny_model, n_ctx=512, n_batch=32, n_ubatch=32) as ref:
             prefill(ref, doc, logits_last=False)
             reference = ref.logits(prefill(ref, prompt))
-        np.testing.assert_array_equal(shared[seq], copied[seq])
-        np.testing.assert_allclose(shared[seq], reference, rtol=1e-4, atol=1e-4)
-        assert int(np.argmax(shared[seq])) == int(np.argmax(reference))
-    assert not np.array_equal(shared[0], shared[1])  # the branches really differ
+        np.testing.assert_array_equal(during[seq], after[seq])
+        np.testing.assert_allclose(during[seq], reference, rtol=1e-4, atol=1e-4)
+        assert int(np.argmax(during[seq])) == int(np.argmax(reference))
+    assert not np.array_equal(during[0], during[1])  # the branches really differ
 
 
 def test_both_shared_forks_give_the_isolated_tokens(tiny_model, isolated, monkeypatch):
     expected = [b.completion.tokens for b in isolated.branches]
-    default = fanout(tiny_model, TEXT, BRANCHES, mode="shared")  # seq_cp
-    assert default.fork_ms > 0 and [b.completion.tokens for b in default.branches] == expected
+    calls: list[tuple[int, int, int, int]] = []
+    real_seq_cp = Context.seq_cp
 
-    def no_fork(*_args, **_kwargs):
-        raise AssertionError('fork="ids" gives the document to every branch in the prefill, not through seq_cp')
+    def spy(self, src, dst, p0=-1, p1=-1):
+        calls.append((src, dst, p0, p1))
+        real_seq_cp(self, src, dst, p0, p1)
 
-    monkeypatch.setattr(Context, "seq_cp", no_fork)
-    shared = fanout(tiny_model, TEXT, BRANCHES, mode="shared", fork="ids")
-    assert shared.fork_ms == 0.0
-    assert [b.completion.tokens for b in shared.branches] == expected
-    with pytest.raises(FanoutError, match="unknown shared-mode fork 'copy'"):
-        fanout(tiny_model, TEXT, BRANCHES, mode="shared", fork="copy")  # type: ignore[arg-type]
-
-
-def test_prefill_shared_refuses_what_llama_cpp_would_reject(tiny_model):
-    doc = tiny_model.tokenize(TEXT)
-    with Context(tiny_model, n_ctx=512, n_seq_max=2) as ctx:
-        with pytest.raises(FanoutError, match="kv_unified"):
-            prefill_shared(ctx, doc, 2)
-        with pytest.raises(FanoutError, match="3 sequences asked of a context that holds 2"):
-            prefill_shared(ctx, doc, 3)
-        assert ctx.seq_len(0) == 0
-    with Context(tiny_model, shared_params(512, 2)) as ctx:
-        prefill(ctx, doc[:4])
-        with pytest.raises(FanoutError, match="needs an empty context; sequence 0 holds 4 tokens"):
-            prefill_shared(ctx, doc, 2)
+    monkeypatch.setattr(Context, "seq_cp", spy)
+    during = fanout(tiny_model, TEXT, BRANCHES, mode="shared", n_batch=32)  # the default fork
+    n_doc = during.doc_tokens
+    assert during.fork_overlapped and during.fork_ms > 0
+    assert [b.completion.tokens for b in during.branches] == expected
+    starts = range(0, n_doc, 32)
+    assert calls == [(0, seq, p, min(p + 32, n_doc)) for p in starts for seq in range(1, len(BRANCHES))]
+    calls.clear()
+    after = fanout(tiny_model, TEXT, BRANCHES, mode="shared", n_batch=32, fork="after_prefill")
+    assert not after.fork_overlapped and after.fork_ms > 0
+    assert [b.completion.tokens for b in after.branches] == expected
+    assert calls == [(0, seq, -1, -1) for seq in range(1, len(BRANCHES))]
+    with pytest.raises(FanoutError, match="unknown shared-mode fork 'ids'; choose one of during_prefill, after"):
+        fanout(tiny_model, TEXT, BRANCHES, mode="shared", fork="ids")  # type: ignore[arg-type]
 
 
 def test_auto_mode_says_what_it_chose(tiny_model):

@@ -8,9 +8,9 @@
 # A machine kept warm between two calls keeps /tmp, so `early` then `late` build once.
 # Everything lands in $RESULTS and is packed into $OUT/results.tgz (+ $OUT/summary.txt).
 # Knobs: SKIP_STEP="name ..." skips those step scripts, SKIP_STEPS=1 all of them, SKIP_BASICS=1 the
-# import-order probe and the llama.cpp GPU tests, EXPORT_LLAMA=1 brings the CUDA build back in
-# $OUT/llama-cuda.tar.xz.part* (copy them into .gpu-carry/ and the next cold machine skips the
-# ~270 s build). A cold machine runs `all` within one call's 600 s only with some of that trimmed.
+# import-order probe and the llama.cpp GPU tests. The CUDA build cannot travel back to skip the
+# ~250 s build next time: xz -6 makes it 116 MB, over what a call carries. A cold machine runs
+# `all` within one call's 600 s only with steps trimmed (SKIP_STEP, AGENT_PARTS, FORK_SWEEP_N).
 set -uo pipefail
 phase=${1:-all}
 ROOT=$(pwd)
@@ -32,10 +32,6 @@ install_python_deps() {
 build_llama() {
   if python3 -c "import llama_cpp" 2>/dev/null && [ -f "$SITE/.llama-cuda" ]; then
     note "llama-cpp-python (CUDA) already built"; return 0
-  fi
-  if ls .gpu-carry/llama-cuda.tar.xz.part* >/dev/null 2>&1; then   # a build from an earlier run, carried back
-    cat .gpu-carry/llama-cuda.tar.xz.part* | xz -d | tar -C "$SITE" -x \
-      && touch "$SITE/.llama-cuda" && note "llama-cpp-python (CUDA) unpacked from carry" && return 0
   fi
   rm -rf /tmp/llama-src && mkdir -p /tmp/llama-src && tar -C /tmp/llama-src -xzf .gpu-carry/llama-cpp-python.tar.gz
   local t0=$SECONDS
@@ -66,13 +62,6 @@ run_steps() {  # every script in tools/device_steps/$1, each with its own log an
   done
 }
 
-export_llama() {  # bring the CUDA build back in parts small enough to return and to carry next time
-  [ -f "$SITE/.llama-cuda" ] || return 0
-  tar -C "$SITE" -cf - llama_cpp | xz -T0 -6 > /tmp/llama-cuda.tar.xz
-  split -b 15M -d /tmp/llama-cuda.tar.xz "$OUT/llama-cuda.tar.xz.part"
-  note "exported CUDA build: $(du -sh /tmp/llama-cuda.tar.xz | cut -f1) in $(ls "$OUT"/llama-cuda.tar.xz.part* | wc -l) parts"
-}
-
 pack() {
   cp "$summary" "$OUT/summary.txt"
   tar -C "$RESULTS" --exclude='*.gguf' -czf "$OUT/results.tgz" . && note "packed $(du -sh "$OUT/results.tgz" | cut -f1)"
@@ -90,7 +79,6 @@ case "$phase" in
   late)
     build_llama ;;
 esac
-[ -z "${EXPORT_LLAMA:-}" ] || export_llama   # first, so a run cut short still brings the build back
 if [ -z "${SKIP_BASICS:-}" ]; then   # import-order probe and the llama.cpp GPU tests
   python3 tools/probe_import_order.py > "$RESULTS/import-order.log" 2>&1; note "import-order probe: $(tail -n 3 "$RESULTS/import-order.log" | tr '\n' ' ')"
   timeout "${PYTEST_TIMEOUT:-300}" python3 tools/pytest_llama_first.py -m gpu -p no:cacheprovider --continue-on-collection-errors -q -rs ${GPU_TESTS:-tests/test_gpu_foundation.py tests/test_snapshot.py} > "$RESULTS/pytest-gpu.log" 2>&1
