@@ -27,5 +27,5 @@ mkdir -p "$out"
 timeout 30 python3 tools/pytest_llama_first.py -q -p no:cacheprovider tests/test_elastic_context.py > "$out/pytest-elastic-context.log" 2>&1
 echo "pytest elastic context: rc=$? $(tail -n 1 "$out/pytest-elastic-context.log")"
 timeout 60 python3 -m kvrt.cli bench elastic --part c --model "${MODELS:-/tmp/kvrt-models}/llama3.2-1b.gguf" \
-  --prompt-tokens 7800 --gen-tokens 128 --repeats 3 --grow-ahead 0.5 --arms spare,spare-no-ahead,cold \
+  --prompt-tokens 7800 --gen-tokens 128 --repeats "${ELASTIC_REPEATS:-3}" --grow-ahead 0.5 --arms spare,spare-no-ahead,cold \
   --out "$out" 2>&1 | tee "$out/part-c.log"
