@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from kvrt.batch import Batch
+from kvrt.branches import Branch, FanoutError, branch_budget, fanout, shared_params
 from kvrt.context import Context, ContextParams
 from kvrt.contextpool import ContextPool
-from kvrt.branches import Branch, FanoutError, branch_budget, fanout, shared_params
 from kvrt.generation import GenerationParams, generate, prefill
 from kvrt.model import Model
 from kvrt.sampling import SamplingParams
@@ -200,7 +200,7 @@ def test_isolated_mode_reuses_pooled_contexts(tiny_model, references):
         # prefill + first branch on one lease, then one lease per restored branch; one context for all of it
         assert pool.created == 1 and pool.reused == 5
         assert (first.contexts_created, second.contexts_created) == (1, 0)
-        assert [b.restore_ms for b in second.branches][0] == 0.0  # branch 1 continued in the prefill context
+        assert second.branches[0].restore_ms == 0.0  # branch 1 continued in the prefill context
         assert all(b.restore_ms > 0 for b in second.branches[1:])
         assert [b.completion.tokens for b in second.branches] == references
 

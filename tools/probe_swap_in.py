@@ -20,6 +20,7 @@ and prints the machine's NUMA layout next to the GPU's, because the host pool's 
 live on a node far from the GPU. Usage: probe_swap_in.py MODEL [--tokens N] [--reps R]
 """
 
+# ruff: noqa: I001  (kvrt first: it maps llama.cpp before NumPy and CuPy are imported)
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,8 @@ from kvrt.hostpool import HostPool
 from kvrt.snapshot import Snapshot
 from kvrt.testmodels import Shape, write_model
 
-import cupy  # noqa: E402
-import numpy as np  # noqa: E402
+import cupy
+import numpy as np
 
 
 def tensor_spans(blob: np.ndarray) -> list[tuple[int, int]]:
@@ -104,7 +105,7 @@ def numa_report() -> dict[str, str]:
     for name, cmd in (("gpu_topology", ["nvidia-smi", "topo", "-m"]), ("numactl", ["numactl", "--hardware"]),
                       ("lscpu", ["lscpu"])):
         try:
-            out[name] = subprocess.run(cmd, capture_output=True, text=True, timeout=10).stdout
+            out[name] = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False).stdout
         except (OSError, subprocess.SubprocessError) as exc:
             out[name] = f"unavailable: {exc}"
     out["affinity"] = str(sorted(os.sched_getaffinity(0)))

@@ -42,16 +42,16 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
-from datetime import datetime, UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from kvrt.benchmarks._plotting import draw
+from kvrt.branches import FORKS, Branch, FanoutResult, branch_budget, fanout, isolated_params, shared_params
 from kvrt.context import Context, ContextParams
 from kvrt.contextpool import ContextPool
-from kvrt.branches import FORKS, Branch, FanoutResult, branch_budget, fanout, isolated_params, shared_params
 from kvrt.generation import GenerationParams, generate, prefill
 from kvrt.model import Model
-from kvrt.benchmarks._plotting import draw
 
 HELP = "SwarmKV's two-branch table (baseline vs isolated vs shared) and the N x document sweep"
 SENTENCE = "The quick brown fox jumps over the lazy dog. "
