@@ -11,9 +11,12 @@ Two modes:
     and one branch alone needs no snapshot at all. The
     branch's logits are bit-identical to a recompute of document then prompt in a
     fresh context (same chunks: llama.cpp's logits depend on the ubatch split), and so
-    are later steps on the tiny test model. On Gemma 3 (CPU, 3501-token fox document)
-    the first-token logits were identical, greedy tokens too with ``n_threads=1``, but
-    with ``n_threads=2`` one branch diverged at step 5 of 6 (cause not yet found).
+    are later steps on the tiny test model. On Gemma 3 (sliding-window layers) later
+    steps match too with ``flash_attn="off"`` or one thread; with llama.cpp's CPU
+    flash-attention kernel on several threads they drift after a few tokens, because a
+    restored state puts the window's cells at other slots than the prefill did and that
+    kernel's split sum then runs in another order (the first token's logits stay
+    bit-identical; ``kvrt demo`` explains and defaults to ``flash_attn="off"``).
 ``shared``
     all branches live in one context with unified KV. The document is prefilled once
     into sequence 0 and ``llama_memory_seq_cp`` makes every branch share its cells: no
@@ -21,7 +24,8 @@ Two modes:
     so the fork's host work follows the document's length (~90 ns a cell and branch on
     the H200's host). ``fork="during_prefill"`` (default) shares each chunk's cells as
     soon as its ``llama_decode`` returns, so on a GPU that work runs while the chunk is
-    still computing and the branches start right after the prefill;
+    still computing and the branches start right after the prefill (on the CPU, where
+    ``llama_decode`` computes before it returns, the two forks cost the same);
     ``fork="after_prefill"`` shares the whole document once the prefill is done (the
     same cells, the work in series). A third way, every branch's id on every document
     token in the prefill (llama.cpp's ``batched`` example), was measured and dropped:

@@ -123,13 +123,15 @@ class Pipeline:
     """Named documents, branches and functions with dependencies (see the module docstring).
 
     ``n_ctx`` is the size of every branch's context (the budget each branch is checked
-    against); ``max_workers`` bounds how many nodes run at once.
+    against); ``max_workers`` bounds how many nodes run at once; ``flash_attn`` is passed
+    to every context (see :class:`kvrt.context.ContextParams`).
     """
 
     def __init__(self, model: Model, *, n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None,
-                 max_workers: int = 4, host_pool: HostPool | None = None) -> None:
+                 max_workers: int = 4, host_pool: HostPool | None = None, flash_attn: str = "auto") -> None:
         self.model = model
-        self.params = ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512), n_threads=n_threads)
+        self.params = ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512), n_threads=n_threads,
+                                    flash_attn=flash_attn)
         self.max_workers = max_workers
         self.host_pool = host_pool
         self._nodes: dict[str, _Node] = {}
