@@ -358,13 +358,13 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
             during = fork == "during_prefill" and len(items) > 1
             t_pre = time.perf_counter()
             prefill(ctx, doc, batch=batch, progress=progress, logits_last=False, after_chunk=share if during else None)
-            t_fork = time.perf_counter()
+            t_prefilled = time.perf_counter()
             if not during:
                 share(-1, -1)
-            results = run_branches(ctx, items, range(len(items)), len(doc), exact=exact, t_start=t_fork,
+            results = run_branches(ctx, items, range(len(items)), len(doc), exact=exact, t_start=t_prefilled,
                                    prompts=prompts, batch=batch)
         made = pool.created - created if pool is not None else 1
-        return FanoutResult("shared", reason, exact, len(doc), (t_fork - t_pre) * 1e3, fork_s * 1e3,
+        return FanoutResult("shared", reason, exact, len(doc), (t_prefilled - t_pre) * 1e3, fork_s * 1e3,
                             results, (time.perf_counter() - t0) * 1e3, made, fork_overlapped=during)
 
     need = len(doc) + max(needs)
