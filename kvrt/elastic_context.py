@@ -3,9 +3,10 @@
 llama.cpp allocates KV for all of ``n_ctx`` when a context is created (seed 003: 6.5 GiB
 for one small model at n_ctx=172032). An :class:`ElasticContext` starts at a small
 bucket and, when the sequence is about to outgrow it (before a prompt, or when decoding
-reaches the end), moves the sequence state into a context of a larger bucket (``llama_state_seq_get_data`` / ``_set_data``), growing
-geometrically so the moves cost O(final size) in total. ``shrink_to_fit`` moves it back
-down when idle and ``swap_out`` parks the state in host memory and frees the context.
+reaches the end), moves the sequence state into a context of a larger bucket
+(``llama_state_seq_get_data`` / ``_set_data``), growing geometrically so the moves cost
+O(final size) in total. ``shrink_to_fit`` moves it back down when idle and ``swap_out``
+parks the state in host memory and frees the context.
 
 Keeping growth off the critical path: :meth:`ElasticContext.generate` knows the prompt's
 length and ``max_tokens``, so it grows once, before the prefill, straight to the bucket

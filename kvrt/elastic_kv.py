@@ -93,7 +93,10 @@ class ElasticKV:
         return self._v[layer]
 
     def reserve(self, n_new: int) -> int:
-        """Back ``n_new`` more positions in every layer; returns the first. Raises :class:`kvrt.elastic.ElasticRefusal`."""
+        """Back ``n_new`` more positions in every layer; returns the first.
+
+        Raises :class:`kvrt.elastic.ElasticRefusal` when the pool cannot supply the pages.
+        """
         if n_new <= 0:
             raise ElasticError(f"{self.name}: reserve needs a positive token count, got {n_new}")
         total = self.n_tokens + n_new

@@ -26,6 +26,7 @@ decode at a time anyway); other threads only enqueue and wait on futures.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -303,12 +304,12 @@ class Scheduler:
                     return
                 if self._control:
                     fn, future = self._control.popleft()
-                    job: Callable[[], None] = lambda fn=fn, future=future: _settle(future, fn)
+                    job: Callable[[], None] = functools.partial(_settle, future, fn)
                 else:
                     agent = min((a for a in self._agents.values() if a.queue),
                                 key=lambda a: (a.served_tokens, a.context is None, a.last_used))
                     request = agent.queue.popleft()
-                    job = lambda agent=agent, request=request: self._serve(agent, request)
+                    job = functools.partial(self._serve, agent, request)
             try:
                 job()
             except BaseException:  # a bug in one job must not stop every agent's queue

@@ -22,7 +22,8 @@ class FmaWork:
 
     def __init__(self, cp: Any, bytes_per_layer: int, compute_iters: int) -> None:
         if bytes_per_layer % 4:
-            raise StreamConfigError(f"FMA mode reads the layer as float32; {bytes_per_layer} bytes is not a multiple of 4")
+            raise StreamConfigError(f"FMA mode reads the layer as float32; {bytes_per_layer} bytes is not a "
+                                    "multiple of 4")
         self._cp = cp
         self.compute_iters = compute_iters
         self.out = cp.zeros(bytes_per_layer // 4, dtype=cp.float32)

@@ -18,8 +18,9 @@ Metrics per
 trial: End_To_End_Ms, Branch2_Activation_Ms (branch-specific work after the shared
 prefill: baseline = fresh context + redundant prefill + prompt + first token; kvrt =
 lease/fork + restore + prompt + first token; Kvrt_Branch2_Restore_Ms is the lease +
-restore part alone), Redundant_Prefill_Eliminated_Ms and the ratios. The best of ``--trials`` by 2*TTFT_pct + E2E_pct goes to best_run.json; every
-trial to all_trials.csv; plots to plots/*.png.
+restore part alone), Redundant_Prefill_Eliminated_Ms and the ratios. The best of
+``--trials`` by 2*TTFT_pct + E2E_pct goes to best_run.json; every trial to
+all_trials.csv; plots to plots/*.png.
 
 Sweep: N branches x document length, both modes, each mode on its own pool warmed per
 length (untimed). The baseline is NOT run per point: ``--baseline-branches`` fresh-context
@@ -274,8 +275,9 @@ def sweep(model: Model, args: argparse.Namespace, out: Path) -> list[dict[str, A
                     r = rows[-1]
                     print(f"  e2e {r['Kvrt_End_To_End_Ms']:.0f} ms vs baseline {baseline_ms:.0f} ms (= {n} x "
                           f"{per_branch:.0f} ms measured once) ({r['E2E_Speedup']:.1f}x), fork/branch "
-                          f"{r['Fork_Ms_Per_Branch']:.3f} ms ({_ms(r['Fork_Exposed_Ms_Per_Branch'])} on the clock), activation (branches 2..N) {r['Mean_Activation_Ms']:.1f} "
-                          f"ms, restore {r['Mean_Restore_Ms']:.1f} ms, contexts created {run.contexts_created}",
+                          f"{r['Fork_Ms_Per_Branch']:.3f} ms ({_ms(r['Fork_Exposed_Ms_Per_Branch'])} on the clock), "
+                          f"activation (branches 2..N) {r['Mean_Activation_Ms']:.1f} ms, restore "
+                          f"{r['Mean_Restore_Ms']:.1f} ms, contexts created {run.contexts_created}",
                           file=sys.stderr)
                     _write_csv(out / "sweep.csv", rows)  # after every point: a run cut short keeps what it measured
         finally:

@@ -95,8 +95,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"|{'-' * 26}|{'-' * 12}|{'-' * 12}|{'-' * 9}|")
     for label, b, k in rows:
         print(f"| {label:<24} | {b:>10.1f} | {k:>10.1f} | {b / k:>6.2f}x |")
-    print(f"\nredundant prefill removed: {base.prefill_ms[1]:.0f} ms; end-to-end {100 * (1 - kvrt_e2e / base.end_to_end_ms):.1f}% "
-          f"faster; branch-2 activation {100 * (1 - kvrt_act / base.activation_ms[1]):.1f}% lower")
+    print(f"\nredundant prefill removed: {base.prefill_ms[1]:.0f} ms; end-to-end "
+          f"{100 * (1 - kvrt_e2e / base.end_to_end_ms):.1f}% faster; branch-2 activation "
+          f"{100 * (1 - kvrt_act / base.activation_ms[1]):.1f}% lower")
     same = [result.outputs["overview"].text, result.outputs["obligations"].text] == base.texts
     print(f"answers identical to the baseline's: {same}" + ("" if same or args.flash_attn == "off" else
           " (flash attention on: see `kvrt demo --help` and the module docstring of kvrt.commands.demo)"))
