@@ -291,7 +291,13 @@ def test_bench_fanout_writes_the_seed_artifacts(tiny_model_path, tmp_path, capsy
     assert len(trials) == 4 and {"End_To_End_Ms", "Branch2_Activation_Ms"} <= {
         k.split("_", 1)[1] for k in trials[0] if k.startswith("Kvrt_")}
     with (out / "sweep.csv").open() as fh:
-        assert len(list(csv.DictReader(fh))) == 2 * 2 * 2
+        sweep = list(csv.DictReader(fh))
+    assert len(sweep) == 2 * 2 * 2
+    shared = [r for r in sweep if r["Mode"] == "shared"]
+    assert {r["Fork"] for r in shared} == {"during_prefill"}
+    for r in shared:  # the fork's exposed part: prefill growth over the same length's N=1 run, none for N=1
+        assert (r["Fork_Exposed_Ms_Per_Branch"] == "") == (r["N"] == "1")
+        assert r["N"] == "1" or float(r["Fork_Exposed_Ms_Per_Branch"]) >= 0.0
     assert {p.name for p in (out / "plots").iterdir()} >= {"end_to_end_ms.png", "sweep_speedup.png"}
     assert "| End_To_End_Ms |" in capsys.readouterr().out
 
@@ -338,3 +344,17 @@ def test_demo_model_restored_branch_follows_a_recompute_token_for_token(demo_mod
     finally:
         snapshot.release()
     assert len(recomputed) == 16 and restored == recomputed
+
+
+def test_exposed_fork_is_all_of_it_after_the_prefill_and_the_prefill_growth_during_it():
+    from kvrt.benchmarks.fanout import _exposed_fork
+    from kvrt.branches import FanoutResult
+
+    def run(fork_ms: float, prefill_ms: float, overlapped: bool) -> FanoutResult:
+        return FanoutResult("shared", "", False, 100, prefill_ms, fork_ms, [], 0.0, fork_overlapped=overlapped)
+
+    assert _exposed_fork(run(8.0, 50.0, False), 5, None) == 2.0
+    assert _exposed_fork(run(8.0, 54.0, True), 5, 50.0) == 1.0
+    assert _exposed_fork(run(8.0, 49.0, True), 5, 50.0) == 0.0  # hidden: the prefill did not grow
+    assert _exposed_fork(run(8.0, 54.0, True), 5, None) is None  # nothing to hold it against
+    assert _exposed_fork(run(0.0, 50.0, True), 1, 50.0) is None
