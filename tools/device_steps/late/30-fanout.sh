@@ -9,7 +9,7 @@
 #      all_trials.csv, plots/). On the clock: baseline (the seed's, unchanged) = per branch a
 #      fresh context created, prefilling the whole document, decoding, freed; kvrt = one prefill
 #      into an already-created pooled context (isolated: one-sequence pool; shared: unified pool
-#      with n_seq_max >= branches), then capture + restore or seq_cp, then the branches. Pools and
+#      with n_seq_max >= branches), then capture + restore, or seq_cp chunk by chunk during the prefill, then the branches. Pools and
 #      the pinned snapshot buffer come from one untimed warm-up run per mode before the trials.
 #      Then the sweep N in {1,2,8,32,50} x document in {3501, 32000} tokens, both modes
 #      (sweep.csv). SWEEP BASELINE: not run per point - one fresh-context branch measured once per
