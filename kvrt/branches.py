@@ -57,7 +57,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -73,7 +73,7 @@ from kvrt.snapshot import Snapshot
 
 Mode = Literal["auto", "isolated", "shared"]
 Fork = Literal["during_prefill", "after_prefill"]
-FORKS: tuple[str, ...] = ("during_prefill", "after_prefill")
+FORKS: tuple[str, ...] = get_args(Fork)
 CELL_ALIGN = 256
 LLAMA_MAX_SEQ = 256
 

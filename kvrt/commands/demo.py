@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvrt.bindings import FLASH_ATTN
+
 HELP = "two agents (overview, obligations) over the Gemma license: one prefill vs. the baseline's two"
 
 OVERVIEW = "\n\nIn one or two sentences, the document above is about"
@@ -33,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "on a 2-core CPU at full length, well under a second on a GPU)")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--n-gpu-layers", type=int, default=-1)
-    parser.add_argument("--flash-attn", choices=("auto", "on", "off"), default="off",
+    parser.add_argument("--flash-attn", choices=tuple(FLASH_ATTN), default="off",
                         help="flash attention in both kvrt's and the baseline's contexts (see the module docstring)")
 
 
