@@ -244,6 +244,12 @@ void llama_perf_context_reset(struct llama_context * ctx);
 """
 
 GGML_CDEF = r"""
+struct ggml_backend_feature { const char * name; const char * value; };
+typedef struct ggml_backend_feature * (*ggml_backend_get_features_t)(ggml_backend_reg_t reg);
+typedef ggml_backend_buffer_type_t * (*ggml_backend_dev_get_extra_bufts_t)(ggml_backend_dev_t device);
+void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
+ggml_backend_reg_t ggml_backend_dev_backend_reg(ggml_backend_dev_t device);
+ggml_backend_dev_t ggml_backend_dev_by_type(int type);
 size_t ggml_backend_dev_count(void);
 ggml_backend_dev_t ggml_backend_dev_get(size_t index);
 const char * ggml_backend_dev_name(ggml_backend_dev_t device);

@@ -12,7 +12,7 @@ import hashlib
 import os
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -76,27 +76,103 @@ def _check_file(path: Path) -> None:
         )
 
 
+SPLIT_MODES = {"none": 0, "layer": 1, "row": 2, "tensor": 3}
+_LOAD_MODES = {(False, False): 0, (True, False): 1, (False, True): 2, (True, True): 3}  # (mmap, mlock)
+
+
+@dataclass(frozen=True)
+class ModelParams:
+    """The llama.cpp model parameters kvrt sets; everything else keeps llama.cpp's default.
+
+    ``n_gpu_layers=-1`` offloads every layer when llama.cpp has a GPU and is a no-op on a
+    CPU build. ``use_mmap=None`` lets llama.cpp pick how to read the file. ``use_extra_bufts``
+    ``None`` takes the machine's safe verdict (:func:`kvrt.cpu.safe_extra_bufts`): llama.cpp's
+    AMX / repacked-weight kernels only where a probe saw them work.
+    """
+
+    n_gpu_layers: int = -1
+    split_mode: str = "layer"
+    main_gpu: int = 0
+    tensor_split: tuple[float, ...] | None = None
+    use_mmap: bool | None = None
+    use_mlock: bool = False
+    use_extra_bufts: bool | None = None
+    check_tensors: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("n_gpu_layers", "main_gpu"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (-1 if name == "n_gpu_layers" else 0):
+                raise KvrtError(f"ModelParams.{name} must be an integer >= {-1 if name == 'n_gpu_layers' else 0}, "
+                                f"got {value!r}")
+        if self.split_mode not in SPLIT_MODES:
+            raise KvrtError(f"split_mode must be one of {sorted(SPLIT_MODES)}, got {self.split_mode!r}")
+        if self.tensor_split is not None and (
+                not self.tensor_split or any(not isinstance(x, int | float) or not x >= 0 for x in self.tensor_split)):
+            raise KvrtError(f"tensor_split must be non-negative proportions, one per device, got {self.tensor_split!r}")
+        for name in ("use_mmap", "use_extra_bufts"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise KvrtError(f"ModelParams.{name} must be True, False or None, got {getattr(self, name)!r}")
+        for name in ("use_mlock", "check_tensors"):
+            if not isinstance(getattr(self, name), bool):
+                raise KvrtError(f"ModelParams.{name} must be a bool, got {getattr(self, name)!r}")
+
+    def resolved(self) -> ModelParams:
+        """These parameters with ``use_extra_bufts`` decided (the probe runs at most once per machine)."""
+        if self.use_extra_bufts is not None:
+            return self
+        from kvrt.cpu import safe_extra_bufts
+
+        return replace(self, use_extra_bufts=safe_extra_bufts().use_extra_bufts)
+
+    def to_c(self) -> tuple[Any, Any]:
+        """The ``llama_model_params`` struct and the buffers it points into (keep both alive)."""
+        params = lib().llama_model_default_params()
+        params.n_gpu_layers = self.n_gpu_layers
+        params.split_mode = SPLIT_MODES[self.split_mode]
+        params.main_gpu = self.main_gpu
+        params.check_tensors = self.check_tensors
+        params.use_extra_bufts = bool(self.resolved().use_extra_bufts)
+        if self.use_mmap is not None or self.use_mlock:
+            params.load_mode = _LOAD_MODES[(bool(self.use_mmap), self.use_mlock)]
+        split = ffi.new("float[]", [float(x) for x in self.tensor_split]) if self.tensor_split else ffi.NULL
+        params.tensor_split = split
+        return params, split
+
+
+def _params_of_llama_cpp(c_params: Any) -> ModelParams:
+    """The :class:`ModelParams` a ``llama_cpp.Llama`` loaded its model with (its ctypes struct)."""
+    mmap, mlock = next((k for k, v in _LOAD_MODES.items() if v == c_params.load_mode), (None, False))
+    return ModelParams(
+        n_gpu_layers=max(int(c_params.n_gpu_layers), -1),
+        split_mode={v: k for k, v in SPLIT_MODES.items()}.get(int(c_params.split_mode), "layer"),
+        main_gpu=int(c_params.main_gpu), use_mmap=mmap, use_mlock=mlock,
+        use_extra_bufts=bool(c_params.use_extra_bufts), check_tensors=bool(c_params.check_tensors),
+    )
+
+
 class Model(OwnsHandle):
     """A llama.cpp model, loaded from a GGUF file or borrowed from llama-cpp-python.
 
-    ``n_gpu_layers=-1`` offloads every layer to the GPU when llama.cpp has one and is a
-    no-op on a CPU build. ``progress`` receives load progress in [0, 1].
+    ``params`` (or keyword overrides of :class:`ModelParams`' fields) choose devices,
+    loading and kernels; ``progress`` receives load progress in [0, 1].
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
+        params: ModelParams | None = None,
         *,
-        n_gpu_layers: int = -1,
-        use_mmap: bool = True,
         progress: Callable[[float], None] | None = None,
+        **overrides: Any,
     ) -> None:
         self.path = Path(path).resolve()
         _check_file(self.path)
-        params = lib().llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
-        if not use_mmap:
-            params.load_mode = 0  # LLAMA_LOAD_MODE_NONE; the default lets llama.cpp pick
+        unknown = sorted(set(overrides) - {f.name for f in fields(ModelParams)})
+        if unknown:
+            raise KvrtError(f"unknown model parameter(s) {unknown}; ModelParams has {[f.name for f in fields(ModelParams)]}")
+        self.params = replace(params or ModelParams(), **overrides).resolved()
+        c_params, keep_split = self.params.to_c()
         keep_alive: Any = None
         if progress is not None:
 
@@ -105,10 +181,10 @@ class Model(OwnsHandle):
                 return True
 
             keep_alive = ffi.callback("bool(float, void *)", on_progress)
-            params.progress_callback = keep_alive
+            c_params.progress_callback = keep_alive
         with capture() as lines:
-            ptr = lib().llama_model_load_from_file(str(self.path).encode(), params)
-        del keep_alive
+            ptr = lib().llama_model_load_from_file(str(self.path).encode(), c_params)
+        del keep_alive, keep_split
         if ptr == ffi.NULL:
             raise ModelLoadError(
                 "llama_model_load_from_file", explain(lines, "llama.cpp could not load the model"), path=str(self.path)
@@ -127,6 +203,7 @@ class Model(OwnsHandle):
             raise KvrtError("the llama_cpp.Llama holds no model (was it closed?)")
         self = cls.__new__(cls)
         self.path = Path(llm.model_path).resolve()
+        self.params = _params_of_llama_cpp(llm.model_params)
         self._handle = NativeHandle(ffi.cast("struct llama_model *", address), lib().llama_model_free,
                                     f"model {self.path.name}", borrowed=True)
         self._contexts = weakref.WeakSet()

@@ -37,16 +37,19 @@ class Shape:
     n_ctx_train: int
     rope_freq_base: float = 10000.0
     dtype: str = "f32"
+    """``f32``, ``f16`` or ``q4_0`` (matrices quantized; norms stay F32)."""
 
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
     def weight_bytes(self) -> int:
-        item = 2 if self.dtype == "f16" else 4
         kv = self.n_head_kv * self.head_dim
         per_layer = 2 * self.n_embd * self.n_embd + 2 * kv * self.n_embd + 3 * self.n_ff * self.n_embd
-        return item * (2 * self.n_vocab * self.n_embd + self.n_layer * per_layer)
+        return int(_BYTES_PER_WEIGHT[self.dtype] * (2 * self.n_vocab * self.n_embd + self.n_layer * per_layer))
+
+
+_BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "q4_0": 18 / 32}  # Q4_0: 32 weights in 16 bytes + an F16 scale
 
 
 PRESETS: dict[str, Shape] = {
@@ -54,6 +57,10 @@ PRESETS: dict[str, Shape] = {
                   n_vocab=512, n_ctx_train=65536, dtype="f32"),
     "llama3.2-1b": Shape("Llama-3.2-1B shape", n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192,
                          n_vocab=128256, n_ctx_train=131072, rope_freq_base=500000.0, dtype="f16"),
+    # Q4_0 matrices whose sides are multiples of 32: eligible for llama.cpp's CPU extra buffer types
+    # (AMX, repacked weights), which :mod:`kvrt.cpu` probes with this preset.
+    "probe-q4_0": Shape("extra buffer type probe", n_layer=1, n_embd=256, n_head=4, n_head_kv=4, n_ff=512,
+                        n_vocab=512, n_ctx_train=4096, dtype="q4_0"),
     "qwen2.5-7b": Shape("Qwen2.5-7B shape", n_layer=28, n_embd=3584, n_head=28, n_head_kv=4, n_ff=18944,
                         n_vocab=152064, n_ctx_train=32768, rope_freq_base=1000000.0, dtype="f16"),
 }
@@ -143,6 +150,7 @@ def write_model(
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
     dtype = np.dtype(np.float16 if shape.dtype == "f16" else np.float32)
+    quant = gguf.GGMLQuantizationType.Q4_0 if shape.dtype == "q4_0" else None
     writer = gguf.GGUFWriter(str(tmp), "llama")
     writer.add_name(f"kvrt random weights, {shape.label}")
     writer.add_description(f"random weights (seed {seed}) with the shape of {shape.label}; not a trained model")
@@ -155,7 +163,7 @@ def write_model(
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_rope_freq_base(shape.rope_freq_base)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(1 if shape.dtype == "f16" else 0)
+    writer.add_file_type({"f32": 0, "f16": 1, "q4_0": 2}[shape.dtype])  # llama_ftype ALL_F32 / MOSTLY_F16 / MOSTLY_Q4_0
     tokens, scores, types = vocabulary(shape.n_vocab)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
@@ -168,16 +176,27 @@ def write_model(
     writer.add_add_eos_token(False)
 
     specs = _tensor_specs(shape)
+    weights = _Weights(seed, dtype)
+
+    def tensor(name: str, dims: tuple[int, ...], is_norm: bool) -> np.ndarray:
+        if is_norm:
+            return np.ones(dims, dtype=np.float32)
+        data = weights(name, dims)
+        return data if quant is None else gguf.quants.quantize(data, quant)
+
     for name, dims, is_norm in specs:
-        tdtype = np.dtype(np.float32) if is_norm else dtype
-        writer.add_tensor_info(name, dims, tdtype, int(np.prod(dims)) * tdtype.itemsize)
+        if quant is None or is_norm:
+            tdtype = np.dtype(np.float32) if is_norm else dtype
+            writer.add_tensor_info(name, dims, tdtype, int(np.prod(dims)) * tdtype.itemsize)
+        else:
+            rows, cols = dims
+            nbytes = rows * (cols // 32) * 18
+            writer.add_tensor_info(name, (rows, cols // 32 * 18), np.dtype(np.uint8), nbytes, raw_dtype=quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    weights = _Weights(seed, dtype)
     for i, (name, dims, is_norm) in enumerate(specs):
-        data = np.ones(dims, dtype=np.float32) if is_norm else weights(name, dims)
-        writer.write_tensor_data(data)
+        writer.write_tensor_data(tensor(name, dims, is_norm))
         if progress is not None:
             progress(i + 1, len(specs))
     writer.close()

@@ -99,3 +99,42 @@ def test_borrow_from_llama_cpp(tiny_model_path: Path, tmp_path: Path) -> None:
     ctx.model.close()  # borrowed: forgets the handles, does not free them
     assert llm.tokenize(b"still alive")
     llm.close()
+
+
+@pytest.mark.parametrize("overrides", [
+    {"n_gpu_layers": -2}, {"n_gpu_layers": 1.5}, {"n_gpu_layers": True}, {"split_mode": "diagonal"},
+    {"main_gpu": -1}, {"tensor_split": ()}, {"tensor_split": (1.0, -0.5)}, {"tensor_split": (float("nan"),)},
+    {"use_mmap": "yes"}, {"use_extra_bufts": 1}, {"use_mlock": None}, {"no_such_parameter": 1},
+])
+def test_bad_model_parameters_are_refused_before_loading(tiny_model_path: Path, overrides: dict) -> None:
+    with pytest.raises(KvrtError, match=next(iter(overrides))):
+        Model(tiny_model_path, **overrides)
+
+
+def test_model_parameters_reach_the_loaded_model(tiny_model_path: Path) -> None:
+    from kvrt.model import ModelParams
+
+    params = ModelParams(n_gpu_layers=0, use_mmap=False, use_mlock=False, use_extra_bufts=False, check_tensors=True)
+    with Model(tiny_model_path, params) as model:
+        assert model.params == params
+        assert model.tokenize("hi")
+    with Model(tiny_model_path) as model:
+        assert model.params.use_extra_bufts is not None  # the machine's verdict, decided
+
+
+def test_borrowed_model_records_the_llama_cpp_parameters(tiny_model_path: Path) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(str(tiny_model_path), n_gpu_layers=0, use_mmap=False, vocab_only=True, verbose=False)
+    model = Model.from_llama_cpp(llm)
+    assert (model.params.n_gpu_layers, model.params.use_mmap, model.params.use_mlock) == (0, False, False)
+    assert model.params.use_extra_bufts is True  # llama-cpp-python's own default
+
+
+def test_llama_cpp_llama_takes_the_machine_verdict(tiny_model_path: Path) -> None:
+    from kvrt.cpu import llama_cpp_llama, safe_extra_bufts
+
+    llm = llama_cpp_llama(tiny_model_path, vocab_only=True, verbose=False)
+    assert bool(llm.model_params.use_extra_bufts) is safe_extra_bufts().use_extra_bufts
+    import llama_cpp.llama_cpp as bindings
+
+    assert bindings.llama_model_default_params().use_extra_bufts is True  # the factory is restored

@@ -1,4 +1,5 @@
-"""Report what kvrt sees: Python, llama.cpp and its backends, GPUs, CuPy, Numba, the demo model."""
+"""Report what kvrt sees: Python, llama.cpp and its backends, the CPU and kvrt's decision for it, GPUs, CuPy,
+Numba, the demo model, and what would make this machine slower than it should be."""
 
 from __future__ import annotations
 
@@ -40,6 +41,65 @@ def _llama() -> list[str]:
         out.append(f"device {dev.index}        {dev.name} ({dev.kind}) {dev.description}: "
                    f"{dev.free_bytes / 2**30:.1f} / {dev.total_bytes / 2**30:.1f} GiB free")
     return out
+
+
+def _cpu() -> list[str]:
+    from kvrt.cpu import cpu_info, safe_extra_bufts
+
+    info = cpu_info()
+    verdict = safe_extra_bufts()
+    features = " ".join(f"{k}={v}" for k, v in info.backend_features.items()) or "none reported"
+    return [
+        f"cpu             {info.model_name}",
+        f"advertised      {' '.join(info.notable_flags) or 'no notable flags'}",
+        f"llama.cpp cpu   {features}",
+        f"extra bufts     {', '.join(info.extra_buffer_types) or 'none in this build'}",
+        f"decision        use_extra_bufts={verdict.use_extra_bufts} ({verdict.source}, "
+        f"{verdict.decision_ms:.1f} ms): {verdict.reason}",
+        f"cached in       {verdict.cache_path or '-'}",
+    ]
+
+
+def _nvml_gpu_count() -> int:
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def warnings_for(*, nvml_gpus: int, llama_gpu_offload: bool, cupy_usable: bool) -> list[str]:
+    """What would make a GPU machine run slower than it should, in plain words."""
+    found = []
+    if nvml_gpus and not llama_gpu_offload:
+        found.append(f"{nvml_gpus} NVIDIA GPU(s) visible but llama.cpp is a CPU-only build: every model runs on "
+                     "the CPU. Rebuild it with CUDA (README, 'On a GPU').")
+    if nvml_gpus and not cupy_usable:
+        found.append("an NVIDIA GPU is visible but CuPy is missing or unusable: host pools fall back to pageable "
+                     "memory (about 7x slower swaps on an H200). Install the 'cuda' extra.")
+    return found
+
+
+def _cupy_usable() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # any import or driver failure means no pinned pools
+        return False
+
+
+def _warnings() -> list[str]:
+    from kvrt.bindings import lib
+
+    found = warnings_for(nvml_gpus=_nvml_gpu_count(), llama_gpu_offload=bool(lib().llama_supports_gpu_offload()),
+                         cupy_usable=_cupy_usable())
+    return found or ["none"]
 
 
 def _nvml() -> list[str]:
@@ -98,8 +158,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvrt {kvrt.__version__} on Python {platform.python_version()} ({platform.machine()}, {platform.system()})")
     print(f"  llama-cpp-python {_version('llama-cpp-python')}, cffi {_version('cffi')}, numpy {_version('numpy')}")
     _section("llama.cpp", _llama)
+    _section("CPU", _cpu)
     _section("NVML", _nvml)
     _section("CuPy", _cupy)
     _section("Numba", _numba)
     _section("demo model", _demo)
+    _section("warnings", _warnings)
     return 0
