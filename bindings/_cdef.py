@@ -150,6 +150,7 @@ size_t llama_max_devices(void);
 size_t llama_max_parallel_sequences(void);
 int64_t llama_time_us(void);
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
+void llama_log_get(ggml_log_callback * log_callback, void ** user_data);
 
 struct llama_model_params   llama_model_default_params(void);
 struct llama_context_params llama_context_default_params(void);

@@ -20,30 +20,70 @@ logger = logging.getLogger("kvrt.llama")
 # ggml_log_level: NONE=0 DEBUG=1 INFO=2 WARN=3 ERROR=4 CONT=5
 _LEVELS = {1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}
 _local = threading.local()
-_installed: list[Any] = []
 _install_lock = threading.Lock()
 
 
-def _on_log(level: int, text: Any, _user: Any) -> None:
-    line = ffi.string(text).decode("utf-8", "replace").rstrip("\n")
-    if not line:
-        return
-    sink = getattr(_local, "sink", None)
-    if sink is not None and level in (3, 4):
-        sink.append(line)
-    py_level = _LEVELS.get(level, logging.DEBUG)
-    if logger.isEnabledFor(py_level):
-        logger.log(py_level, "%s", line)
+class _Hook:
+    """kvrt's llama.cpp log callback, chained to whichever callback was installed before it.
+
+    llama.cpp has one process-wide log callback. llama-cpp-python installs its own when it
+    is imported; kvrt's hook calls that one too (so ``Llama(verbose=True)`` still prints),
+    and :func:`capture` re-installs the hook, chaining again, if something replaced it.
+    """
+
+    def __init__(self) -> None:
+        self.callback = ffi.callback("void(int, const char *, void *)", self._on_log)
+        self.previous: tuple[Any, Any] = (ffi.NULL, ffi.NULL)
+        self.default = self._llama_default()
+
+    @staticmethod
+    def _llama_default() -> Any:
+        """llama.cpp's own stderr printer, which the hook must not chain to (it would print every line)."""
+        current, current_data = ffi.new("ggml_log_callback *"), ffi.new("void **")
+        llama().llama_log_get(current, current_data)
+        llama().llama_log_set(ffi.NULL, ffi.NULL)  # NULL selects the default printer
+        default = ffi.new("ggml_log_callback *")
+        llama().llama_log_get(default, current_data)
+        llama().llama_log_set(current[0], current_data[0] if current[0] != default[0] else ffi.NULL)
+        return default[0]
+
+    def _on_log(self, level: int, text: Any, user_data: Any) -> None:
+        line = ffi.string(text).decode("utf-8", "replace").rstrip("\n")
+        sink = getattr(_local, "sink", None)
+        if line and sink is not None and level in (3, 4):
+            sink.append(line)
+        py_level = _LEVELS.get(level, logging.DEBUG)
+        if line and logger.isEnabledFor(py_level):
+            logger.log(py_level, "%s", line)
+        previous, previous_data = self.previous
+        if previous != ffi.NULL:
+            previous(level, text, previous_data)
+
+    def ensure_installed(self) -> None:
+        """Install the hook unless it is llama.cpp's current callback (cheap when it is)."""
+        current, current_data = ffi.new("ggml_log_callback *"), ffi.new("void **")
+        llama().llama_log_get(current, current_data)
+        if current[0] == self.callback:
+            return
+        with _install_lock:
+            llama().llama_log_get(current, current_data)
+            if current[0] != self.callback:
+                chained = current[0] != self.default
+                self.previous = (current[0], current_data[0]) if chained else (ffi.NULL, ffi.NULL)
+                llama().llama_log_set(self.callback, ffi.NULL)
+
+
+_hook: _Hook | None = None
 
 
 def install() -> None:
-    """Send llama.cpp's logging through :data:`logger` (idempotent)."""
-    with _install_lock:
-        if _installed:
-            return
-        callback = ffi.callback("void(int, const char *, void *)", _on_log)
-        _installed.append(callback)  # keep alive for the life of the process
-        llama().llama_log_set(callback, ffi.NULL)
+    """Send llama.cpp's logging through :data:`logger`, keeping the callback installed before."""
+    global _hook
+    if _hook is None:
+        with _install_lock:
+            if _hook is None:
+                _hook = _Hook()
+    _hook.ensure_installed()
 
 
 @contextmanager

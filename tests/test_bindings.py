@@ -83,3 +83,36 @@ def test_devices_report_memory() -> None:
     found = devices()
     assert found[0].kind in {"cpu", "gpu", "accel", "igpu"}
     assert any(d.kind == "cpu" for d in found)
+
+
+def _stderr_lines(code: str) -> tuple[str, int]:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return done.stdout, len(done.stderr.splitlines())
+
+
+def test_log_hook_keeps_llama_cpp_python_verbose_output(tiny_model_path) -> None:
+    """kvrt's hook chains to llama-cpp-python's callback instead of replacing it."""
+    _, alone = _stderr_lines(f"import llama_cpp; llama_cpp.Llama({str(tiny_model_path)!r}, verbose=True)")
+    _, after_kvrt = _stderr_lines(
+        f"from kvrt.model import Model; m = Model({str(tiny_model_path)!r}); "
+        f"import llama_cpp; llama_cpp.Llama({str(tiny_model_path)!r}, verbose=True)")
+    assert alone > 100
+    assert after_kvrt >= alone
+
+
+def test_log_hook_is_quiet_on_its_own(tiny_model_path) -> None:
+    _, lines = _stderr_lines(f"from kvrt.model import Model; Model({str(tiny_model_path)!r})")
+    assert lines == 0
+
+
+def test_errors_keep_llama_cpp_words_after_llama_cpp_python_took_the_callback(tmp_path, tiny_model_path) -> None:
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(tiny_model_path.read_bytes()[: tiny_model_path.stat().st_size // 2])
+    out, _ = _stderr_lines(
+        f"import llama_cpp; llama_cpp.Llama({str(tiny_model_path)!r}, verbose=False)\n"
+        "from kvrt.model import Model\n"
+        f"try:\n    Model({str(truncated)!r})\nexcept Exception as exc:\n    print(exc)")
+    assert "not within the file bounds" in out or "failed to load model" in out
