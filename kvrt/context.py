@@ -9,6 +9,7 @@ that llama.cpp does give back becomes a :class:`kvrt.errors.KvrtError`.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -102,6 +103,7 @@ class Context(OwnsHandle):
                 **params.as_dict(),
             )
         self._handle = NativeHandle(ptr, lib().llama_free, "context")
+        self._borrower: weakref.ref[Any] | None = None
         model._adopt(self)
         self._n_vocab = model.n_vocab
 
@@ -116,13 +118,20 @@ class Context(OwnsHandle):
         self = cls.__new__(cls)
         self.model = Model.from_llama_cpp(llm)
         ptr = ffi.cast("struct llama_context *", address)
+        c_params = llm.context_params
         self.params = ContextParams(
             n_ctx=int(lib().llama_n_ctx(ptr)),
             n_batch=int(lib().llama_n_batch(ptr)),
             n_ubatch=int(lib().llama_n_ubatch(ptr)),
             n_seq_max=int(lib().llama_n_seq_max(ptr)),
+            kv_unified=bool(c_params.kv_unified),
+            n_threads=int(c_params.n_threads),
+            flash_attn={v: k for k, v in FLASH_ATTN.items()}[int(c_params.flash_attn_type)],
+            offload_kqv=bool(c_params.offload_kqv),
+            swa_full=bool(c_params.swa_full),
         )
         self._handle = NativeHandle(ptr, lib().llama_free, "context", borrowed=True)
+        self._borrower = weakref.ref(llm)
         self.model._adopt(self)
         self._n_vocab = self.model.n_vocab
         return self
@@ -150,6 +159,17 @@ class Context(OwnsHandle):
     def _memory(self) -> Any:
         return lib().llama_get_memory(self.ptr)
 
+    def _wrote(self) -> None:
+        """kvrt changed the KV cache: a borrowed ``Llama`` forgets its cached prefix and re-evaluates next time.
+
+        llama-cpp-python trusts ``Llama.n_tokens`` to describe the cache; after kvrt's writes it
+        does not, so it is reset to 0 (its next call clears the cache from position 0 and
+        evaluates its prompt): correct output at the cost of the Llama's prefix reuse.
+        """
+        llm = self._borrower() if self._borrower is not None else None
+        if llm is not None:
+            llm.n_tokens = 0
+
     def _check_seq(self, seq_id: int) -> None:
         if not 0 <= seq_id < self.n_seq_max:
             raise KvrtError(f"sequence id {seq_id} is outside [0, {self.n_seq_max}) for this context")
@@ -157,6 +177,7 @@ class Context(OwnsHandle):
     def clear(self) -> None:
         """Forget every sequence (and zero the KV data)."""
         lib().llama_memory_clear(self._memory, True)
+        self._wrote()
 
     def seq_pos_max(self, seq_id: int) -> int:
         """Largest position held for ``seq_id``, or -1 when it is empty."""
@@ -176,6 +197,7 @@ class Context(OwnsHandle):
         self._check_seq(seq_id)
         if not lib().llama_memory_seq_rm(self._memory, seq_id, p0, p1):
             raise KvrtError(f"llama_memory_seq_rm refused a partial removal [{p0}, {p1}) of sequence {seq_id}")
+        self._wrote()
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make ``dst`` share the cells of ``src`` in [p0, p1): metadata only, no KV copy."""
@@ -184,10 +206,7 @@ class Context(OwnsHandle):
         if src == dst:
             raise KvrtError(f"cannot copy sequence {src} onto itself")
         lib().llama_memory_seq_cp(self._memory, src, dst, p0, p1)
-
-    def seq_keep(self, seq_id: int) -> None:
-        self._check_seq(seq_id)
-        lib().llama_memory_seq_keep(self._memory, seq_id)
+        self._wrote()
 
     # -- decoding ---------------------------------------------------------------------
     def _validate(self, batch: Batch) -> None:
@@ -221,6 +240,7 @@ class Context(OwnsHandle):
         self._validate(batch)
         with capture() as lines:
             code = int(lib().llama_decode(self.ptr, batch.raw))
+        self._wrote()
         if code != 0:
             reason = _DECODE_CODES.get(code, "fatal error; finished micro-batches stay in memory")
             raise DecodeError("llama_decode", explain(lines, reason), code=code, n_tokens=batch.n_tokens)
@@ -266,43 +286,11 @@ class Context(OwnsHandle):
         self.seq_rm(seq_id)
         with capture() as lines:
             n = int(lib().llama_state_seq_set_data_ext(self.ptr, data, len(data), seq_id, flags))
+        self._wrote()
         if n == 0:
             raise StateError("llama_state_seq_set_data_ext", explain(lines, "llama.cpp refused the state"),
                              seq_id=seq_id, n_bytes=len(data), flags=flags)
         return n
-
-    def state_size(self) -> int:
-        return int(lib().llama_state_get_size(self.ptr))
-
-    def state_get(self, dst: Any) -> int:
-        out = ffi.from_buffer("uint8_t[]", dst, require_writable=True)
-        n = int(lib().llama_state_get_data(self.ptr, out, len(out)))
-        if n == 0:
-            raise StateError("llama_state_get_data", "no state written", buffer_bytes=len(out))
-        return n
-
-    def state_set(self, src: Any) -> int:
-        data = ffi.from_buffer("uint8_t[]", src)
-        with capture() as lines:
-            n = int(lib().llama_state_set_data(self.ptr, data, len(data)))
-        if n == 0:
-            raise StateError("llama_state_set_data", explain(lines, "llama.cpp refused the state"), n_bytes=len(data))
-        return n
-
-    # -- timings ----------------------------------------------------------------------
-    def perf(self) -> dict[str, float]:
-        """llama.cpp's own counters: prompt and generation ms and token counts."""
-        data = lib().llama_perf_context(self.ptr)
-        return {
-            "t_load_ms": data.t_load_ms,
-            "t_prompt_ms": data.t_p_eval_ms,
-            "t_eval_ms": data.t_eval_ms,
-            "n_prompt_tokens": data.n_p_eval,
-            "n_eval_tokens": data.n_eval,
-        }
-
-    def perf_reset(self) -> None:
-        lib().llama_perf_context_reset(self.ptr)
 
     def sequences(self) -> Iterator[int]:
         """Sequence ids that currently hold tokens."""

@@ -182,3 +182,27 @@ def test_stop_string_is_cut(tiny_model: Model) -> None:
     assert cut.finish_reason == "stop"
     assert stop not in cut.text
     assert free.text.startswith(cut.text)
+
+
+def test_borrowed_context_records_the_llama_parameters(tiny_model_path: Path) -> None:
+    """A snapshot of a borrowed context must name its real settings (restorable into kvrt contexts)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(str(tiny_model_path), n_ctx=256, n_threads=1, flash_attn=False, verbose=False)
+    ctx = Context.from_llama_cpp(llm)
+    assert (ctx.params.flash_attn, ctx.params.n_threads) == ("off", 1)
+    assert ctx.params.n_ctx == 256
+
+
+def test_writes_through_a_borrowed_context_keep_the_llama_correct(tiny_model_path: Path) -> None:
+    """After kvrt writes into a Llama's context, the Llama's next completion equals a fresh Llama's."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    kwargs = {"n_ctx": 256, "n_threads": 1, "flash_attn": False, "verbose": False}
+    fresh = llama_cpp.Llama(str(tiny_model_path), **kwargs)
+    expected = fresh("The quick brown fox", max_tokens=8, temperature=0.0)["choices"][0]["text"]
+    llm = llama_cpp.Llama(str(tiny_model_path), **kwargs)
+    llm("The quick brown fox", max_tokens=8, temperature=0.0)  # the Llama now caches this prefix
+    ctx = Context.from_llama_cpp(llm)
+    ctx.clear()
+    prefill(ctx, ctx.model.tokenize("Something else entirely, written by kvrt."))
+    assert llm.n_tokens == 0
+    assert llm("The quick brown fox", max_tokens=8, temperature=0.0)["choices"][0]["text"] == expected
