@@ -152,6 +152,10 @@ int64_t llama_time_us(void);
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
 void llama_log_get(ggml_log_callback * log_callback, void ** user_data);
 
+typedef struct llama_chat_message { const char * role; const char * content; } llama_chat_message;
+int32_t llama_chat_apply_template(const char * tmpl, const struct llama_chat_message * chat, size_t n_msg,
+                                  bool add_ass, char * buf, int32_t length);
+const char * llama_model_chat_template(const struct llama_model * model, const char * name);
 struct llama_model_params   llama_model_default_params(void);
 struct llama_context_params llama_context_default_params(void);
 struct llama_sampler_chain_params llama_sampler_chain_default_params(void);
