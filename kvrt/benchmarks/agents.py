@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
+import tempfile
 import threading
 import time
-from datetime import datetime, UTC
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +47,12 @@ from kvrt.hostpool import HostPool
 from kvrt.ledger import LedgerDenied, NvmlProbe, VramLedger
 from kvrt.model import Model
 from kvrt.scheduler import Scheduler, percentiles
-from kvrt.snapshot import Snapshot
 from kvrt.testmodels import Shape, ensure_model, write_model
+from kvrt.benchmarks import _swap
+from kvrt.benchmarks._bounds import DEFAULT_TOLERANCE, Bound, enforce
+from kvrt.benchmarks._peer import LlamaPeer
 from kvrt.benchmarks._plotting import draw
+from kvrt.benchmarks._stats import check_samples, machine, write_json
 
 HELP = "seed 003: three models with huge contexts, KV swap round trip vs re-prefill, 50 agents time-sliced"
 PARTS = ("coresidence", "swap", "timeslice")
@@ -59,7 +61,6 @@ SMALL = Shape("small bench shape", n_layer=8, n_embd=256, n_head=8, n_head_kv=4,
 WIDE_KV = Shape("wide-KV small shape", n_layer=32, n_embd=256, n_head=2, n_head_kv=2, n_ff=512, n_vocab=512,
                 n_ctx_train=131072, dtype="f32")
 """Tiny weights, 7B-like KV bytes per token (32 KiB): a third model whose huge context is huge on an H200 too."""
-SENTENCE = "The quick brown fox jumps over the lazy dog. "
 MAX_HUGE_CTX = 1 << 21
 """Cap on a co-residence context: llama.cpp's attention mask grows with n_ctx x n_ubatch, so a tiny model asked
 for 60% of an H200 in KV cells (tens of millions) would be refused for its compute buffer, not its KV."""
@@ -73,13 +74,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--huge-fraction", type=float, default=0.5, help="coresidence: KV bytes per agent / budget")
     parser.add_argument("--swap-model", default=None, help="swap: GGUF (default: the first of --models)")
     parser.add_argument("--swap-docs", default="4096,32768")
+    parser.add_argument("--swap-peers", default="ram,disk",
+                        help="swap: llama-cpp-python prompt caches to run beside kvrt ('' for none)")
+    parser.add_argument("--flash-attn", choices=("on", "off", "auto"), default="off",
+                        help="swap: flash attention in kvrt's and the peer's contexts alike")
+    parser.add_argument("--bound-tolerance", type=float, default=DEFAULT_TOLERANCE)
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--agents", type=int, default=50)
     parser.add_argument("--requests", type=int, default=4, help="timeslice: requests per agent")
     parser.add_argument("--gen-tokens", type=int, default=16)
     parser.add_argument("--live", type=int, default=6, help="timeslice: contexts the budget keeps alive")
     parser.add_argument("--agent-ctx", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=1, help="timeslice: alternating baseline/time-sliced rounds")
+    parser.add_argument("--rounds", type=int, default=3, help="timeslice: alternating baseline/time-sliced rounds (>= 3)")
     parser.add_argument("--threads", type=int, default=None)
 
 
@@ -105,12 +111,6 @@ def _ledger(args: argparse.Namespace) -> VramLedger:
     if args.capacity_bytes is None and not NvmlProbe.available():
         raise KvrtError("no GPU visible through NVML: give --capacity-bytes")
     return VramLedger(args.capacity_bytes)
-
-
-def _doc(model: Model, n_tokens: int) -> list[int]:
-    sentence = model.tokenize(SENTENCE, add_special=False)
-    head = model.tokenize("", add_special=True)
-    return (head + sentence * (n_tokens // len(sentence) + 1))[:n_tokens]
 
 
 # -- (a) co-residence ------------------------------------------------------------------------------
@@ -179,89 +179,48 @@ def _naive(paths: list[Path], contexts: list[int], threads: int | None) -> dict[
 
 
 # -- (b) swap round trip -------------------------------------------------------------------------
-def _pinned_h2d_ms(nbytes: int) -> float | None:
-    """Median plain pinned host-to-device copy of ``nbytes`` (CUDA events), or None without CuPy/GPU."""
-    try:
-        import cupy
-    except ImportError:
-        return None
-    if cupy.cuda.runtime.getDeviceCount() == 0:
-        return None
-    host = np.frombuffer(cupy.cuda.alloc_pinned_memory(nbytes), dtype=np.uint8, count=nbytes)
-    dev = cupy.empty(nbytes, dtype=cupy.uint8)
-    start, end = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(5):
-        start.record()
-        dev.set(host)
-        end.record()
-        end.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, end))
-    del dev
-    return float(statistics.median(times))
-
-
 def swap(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
+    """Every ``--swap-docs`` length: kvrt, re-prefill, the ideal transfer and the peer's caches (see _swap)."""
     path = Path(args.swap_model) if args.swap_model else paths[0]
     pool = HostPool()
-    rows = []
     with Model(path) as model:
-        for n_doc in (int(x) for x in args.swap_docs.split(",") if x):
-            params = ContextParams(n_ctx=n_doc + 256, n_threads=args.threads)
-            doc = _doc(model, n_doc)
-            probe = model.tokenize(" fox", add_special=False)[:1]
-            trials = []
-            with Context(model, params) as ctx, Batch(1) as one:
-                t0 = time.perf_counter()
-                prefill(ctx, doc, logits_last=False)
-                ctx.synchronize()
-                prefill_ms = (time.perf_counter() - t0) * 1e3  # once: a 32k CPU prefill takes minutes
-                reference = _next_logits(ctx, one, probe, n_doc)
-                for _ in range(args.trials):
-                    t0 = time.perf_counter()
-                    snap = Snapshot.capture(ctx, 0, pool=pool)
-                    out_ms = (time.perf_counter() - t0) * 1e3
-                    ctx.clear()
-                    t0 = time.perf_counter()
-                    snap.restore(ctx, 0)
-                    ctx.synchronize()
-                    in_kept_ms = (time.perf_counter() - t0) * 1e3
-                    exact = bool(np.array_equal(reference, _next_logits(ctx, one, probe, n_doc)))
-                    t0 = time.perf_counter()
-                    with Context(model, params) as fresh:
-                        snap.restore(fresh, 0)
-                        fresh.synchronize()
-                        in_fresh_ms = (time.perf_counter() - t0) * 1e3
-                    trials.append({"prefill_ms": prefill_ms, "swap_out_ms": out_ms, "swap_in_kept_ms": in_kept_ms,
-                                   "swap_in_fresh_ms": in_fresh_ms, "exact": exact, "nbytes": snap.nbytes,
-                                   "pinned": snap.pinned})
-                    snap.release()
-            med = {k: float(statistics.median(t[k] for t in trials)) for k in trials[0] if k.endswith("_ms")}
-            nbytes = trials[0]["nbytes"]
-            h2d = _pinned_h2d_ms(nbytes)
-            row = {"model": path.name, "doc_tokens": n_doc, "state_bytes": nbytes, "pinned": trials[0]["pinned"],
-                   "exact_all_trials": all(t["exact"] for t in trials), **med,
-                   "swap_in_gbps": nbytes / med["swap_in_kept_ms"] / 1e6,
-                   "reprefill_over_swap_in": med["prefill_ms"] / med["swap_in_kept_ms"],
-                   "pinned_h2d_ms": h2d, "swap_in_over_h2d": (med["swap_in_kept_ms"] / h2d) if h2d else None,
-                   "trials": trials}
-            rows.append(row)
-            _log(f"swap {path.name} {n_doc} tok: state {nbytes / 1e6:.1f} MB, prefill {med['prefill_ms']:.1f} ms, "
-                 f"out {med['swap_out_ms']:.1f} ms, in (kept ctx) {med['swap_in_kept_ms']:.1f} ms, in (fresh ctx) "
-                 f"{med['swap_in_fresh_ms']:.1f} ms, re-prefill/swap-in {row['reprefill_over_swap_in']:.1f}x, exact "
-                 f"{row['exact_all_trials']}" + (f", pinned H2D {h2d:.1f} ms -> {row['swap_in_over_h2d']:.2f}x"
-                                                   if h2d else ""))
-    return {"rows": rows}
+        rows = [swap_point(model, n_doc, args, pool) for n_doc in (int(x) for x in args.swap_docs.split(",") if x)]
+    return {"rows": rows, "method": _swap.__doc__}
 
 
-def _next_logits(ctx: Context, batch: Batch, token: list[int], pos: int) -> np.ndarray:
-    """Logits of one probe token decoded after the document, then the probe is removed again."""
-    batch.clear()
-    batch.add(token[0], pos, 0, logits=True)
-    ctx.decode(batch)
-    logits = ctx.logits(0)
-    ctx.seq_rm(0, pos, -1)
-    return logits
+def swap_point(model: Model, n_doc: int, args: argparse.Namespace, pool: HostPool) -> dict[str, Any]:
+    """One document length: ``--trials`` kvrt round trips and re-prefills, the ideal, then each peer cache."""
+    params = ContextParams(n_ctx=n_doc + 256, n_threads=args.threads, flash_attn=args.flash_attn)
+    doc = _swap.document(model, n_doc)
+    probe = model.tokenize(" fox", add_special=False)[0]
+    with Context(model, params) as ctx, Batch(1) as one:
+        prefill(ctx, doc, logits_last=False)  # untimed: the context's first prefill
+        reference = _swap.next_logits(ctx, one, probe, n_doc)
+        trials = [_swap.kvrt_trial(model, ctx, one, params, doc, probe, reference, pool) for _ in range(args.trials)]
+    ideal_ms, ideal_kind = _swap.ideal_transfer(trials[0].nbytes)
+    row: dict[str, Any] = {"model": model.path.name, "doc_tokens": n_doc, "ideal_kind": ideal_kind,
+                           "kvrt": _swap.summarize_kvrt(trials, ideal_ms), "peer": {}}
+    k = row["kvrt"]
+    _log(f"swap {model.path.name} {n_doc} tok: state {k['state_bytes'] / 1e6:.1f} MB; re-prefill {k['reprefill_ms']:.1f}"
+         f" ms, out {k['swap_out_ms']:.1f}, in (kept ctx) {k['swap_in_kept_ms']:.1f} [{k['swap_in_kept_ms_min']:.1f}-"
+         f"{k['swap_in_kept_ms_max']:.1f}], in (fresh ctx) {k['swap_in_fresh_ms']:.1f}, switch {k['switch_ttft_ms']:.1f}"
+         f" ms; ideal {ideal_ms:.1f} ms ({ideal_kind}, {k['ideal_gbps']:.1f} GB/s): fraction "
+         f"{k['fraction_of_ideal']:.3f}; exact {k['exact_all_trials']}")
+    kinds = [c for c in args.swap_peers.split(",") if c]
+    if kinds:
+        with LlamaPeer(model.path, n_ctx=params.n_ctx, n_threads=args.threads, n_gpu_layers=-1,
+                       flash_attn=args.flash_attn == "on") as peer, tempfile.TemporaryDirectory() as folder:
+            peer.llm.eval(doc)  # untimed: the peer's agent prefills its document once
+            for kind in kinds:
+                runs = [_swap.peer_trial(peer.llm, kind, doc, probe, Path(folder) / f"{kind}{i}")
+                        for i in range(args.trials)]
+                row["peer"][kind] = _swap.summarize_peer(runs, ideal_ms, int(np.argmax(reference)), k)
+                p = row["peer"][kind]
+                _log(f"  peer {kind}: out {p['swap_out_ms']:.1f} ms, in {p['swap_in_ms']:.1f} ms (kvrt "
+                     f"{p['kvrt_swap_in_speedup']:.1f}x faster), switch {p['switch_ttft_ms']:.1f} ms (kvrt "
+                     f"{p['kvrt_switch_ttft_speedup']:.1f}x); state {p['state_bytes'] / 1e6:.1f} MB; next token "
+                     f"= kvrt's: {p['next_token_equals_kvrt']}")
+    return row
 
 
 # -- (c) time-slicing ------------------------------------------------------------------------------
@@ -398,16 +357,20 @@ def _plot(results: dict[str, Any], out: Path) -> None:
 
     if "swap" in results:
         rows = results["swap"]["rows"]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        labels = [f"{r['doc_tokens']} tok" for r in rows]
+        series = [("re-prefill", [r["kvrt"]["reprefill_ms"] for r in rows]),
+                  ("kvrt swap-in (kept ctx)", [r["kvrt"]["swap_in_kept_ms"] for r in rows]),
+                  ("ideal transfer", [r["kvrt"]["ideal_ms"] for r in rows])]
+        series += [(f"peer {kind} load_state", [r["peer"][kind]["swap_in_ms"] for r in rows])
+                   for kind in (rows[0]["peer"] if rows else {})]
+        fig, ax = plt.subplots(figsize=(7, 3.8))
         x = np.arange(len(rows))
-        for i, (key, name) in enumerate((("prefill_ms", "re-prefill"), ("swap_in_kept_ms", "swap-in (kept ctx)"),
-                                         ("swap_in_fresh_ms", "swap-in (fresh ctx)"))):
-            ax.bar(x + (i - 1) * 0.27, [r[key] for r in rows], 0.27, label=name)
-        ax.set_xticks(x, labels)
+        width = 0.8 / len(series)
+        for i, (name, values) in enumerate(series):
+            ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=name)
+        ax.set_xticks(x, [f"{r['doc_tokens']} tok" for r in rows])
         ax.set_yscale("log")
-        ax.set_ylabel("ms (log)")
-        ax.legend(fontsize=8)
+        ax.set_ylabel("ms (log, median)")
+        ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / "swap.png", dpi=120)
         plt.close(fig)
@@ -430,14 +393,26 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(parts) - set(PARTS)
     if unknown:
         raise KvrtError(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
+    if "swap" in parts:
+        check_samples(args.trials)
+    if "timeslice" in parts:
+        check_samples(args.rounds)
     paths = _models(args, out)
-    results: dict[str, Any] = {"machine": {"python": platform.python_version(), "node": platform.node(),
-                                           "date": datetime.now(UTC).isoformat(timespec="seconds"),
-                                           "gpu": DeviceMeter.gpu_present(), "argv": sys.argv[1:]}}
+    results: dict[str, Any] = {"machine": machine() | {"gpu_present": DeviceMeter.gpu_present()}}
     for part in parts:
         results[part] = {"coresidence": coresidence, "swap": swap, "timeslice": timeslice}[part](args, paths)
-        (out / "agents.json").write_text(json.dumps(results, indent=1, default=str))
+        write_json(out / "agents.json", results)
     draw(_plot, results, out)
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("requests", "per_agent_latency_ms", "kvrt")}
                       if isinstance(v, dict) else v for k, v in results.items()}, indent=1, default=str))
-    return 0
+    return enforce(agent_bounds(results), args.bound_tolerance, out)
+
+
+def agent_bounds(results: dict[str, Any]) -> list[Bound]:
+    """Swap-in no faster than its ideal transfer; time-slicing no more throughput than the same work back to back
+    (one warmed context per model, nothing swapped: the scheduler serves one request at a time)."""
+    bounds = [b for row in results.get("swap", {}).get("rows", []) for b in _swap.swap_bounds(row)]
+    if "timeslice" in results:
+        bounds.append(Bound("timeslice: throughput time-sliced / back to back", results["timeslice"]["throughput_ratio"],
+                            1.0, "the same requests served one at a time, plus switches"))
+    return bounds
