@@ -1,8 +1,9 @@
 """The ``kvrt`` command.
 
-Each subcommand is a module of :mod:`kvrt.commands` that defines ``HELP``,
-``add_arguments(parser)`` and ``run(args) -> int``; they are discovered, so a new
-subcommand is a new file.
+Each subcommand is a module of :mod:`kvrt.commands` that defines ``HELP`` (one line),
+optionally ``DESCRIPTION`` (what ``--help`` prints, in plain words), ``add_arguments(parser)``
+and ``run(args) -> int``; they are discovered, so a new subcommand is a new file. Every
+option's default is shown in ``--help``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     for info in sorted(pkgutil.iter_modules(kvrt.commands.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"kvrt.commands.{info.name}")
         name = info.name.replace("_", "-")
-        command = sub.add_parser(name, help=module.HELP, description=module.__doc__)
+        command = sub.add_parser(name, help=module.HELP, description=getattr(module, "DESCRIPTION", module.HELP),
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.add_arguments(command)
         command.set_defaults(handler=module.run)
     return parser

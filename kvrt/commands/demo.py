@@ -1,19 +1,4 @@
-"""Two agents read one license: the document is prefilled once and both branch from it.
-
-The seed's pipeline (SwarmKV) on a real document: the Gemma Terms of Use that ship with
-the demo model. Agent 1 writes an overview, agent 2 lists the obligations. kvrt runs it
-as a :class:`kvrt.pipeline.Pipeline` (one prefill, a snapshot, two branches on pooled
-contexts); the baseline runs each agent in a fresh context that prefills the whole
-document again. Both answers and the side-by-side timings are printed.
-
-Flash attention is off by default here. The point of the demo is that the answers are
-the baseline's, and with llama.cpp's CPU flash-attention kernel on several threads they
-are not, for a reason outside kvrt: Gemma 3's sliding-window layers keep only the last
-512 positions, a restored state puts those cells at other slots of the cache than the
-prefill did, and that kernel's multi-threaded sum then runs in another order. The
-restored bytes and the first token's logits are bit-identical either way; a few greedy
-tokens later the float difference can pick another token. ``--flash-attn auto`` shows it.
-"""
+"""``kvrt demo``: the two-agent fan-out over the demo model's license, kvrt beside the baseline (see DESCRIPTION)."""
 
 from __future__ import annotations
 
@@ -23,6 +8,13 @@ import sys
 from kvrt.bindings import FLASH_ATTN
 
 HELP = "two agents (overview, obligations) over the Gemma license: one prefill vs. the baseline's two"
+DESCRIPTION = """Two agents read the same document, the Gemma Terms of Use that ship with the demo model:
+one writes an overview, the other lists the obligations. kvrt reads the document once and
+starts both agents from a snapshot of it; the baseline reads it once per agent. Both answers
+and the timings are printed side by side, and the answers are checked to be the same.
+Flash attention is off by default because llama.cpp's multi-threaded CPU flash-attention
+kernel sums a restored Gemma cache in another order, which can change a greedy token a few
+steps in (try --flash-attn auto)."""
 
 OVERVIEW = "\n\nIn one or two sentences, the document above is about"
 OBLIGATIONS = "\n\nObligations the document above places on anyone who uses or distributes Gemma:\n1."
@@ -33,10 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--doc-tokens", type=int, default=1200,
                         help="use the first N tokens of the license (0: all ~3,200; ~10 s of prefill per copy "
                              "on a 2-core CPU at full length, well under a second on a GPU)")
-    parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--n-gpu-layers", type=int, default=-1)
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens each agent writes at most")
+    parser.add_argument("--n-gpu-layers", type=int, default=-1, help="layers on the GPU (-1: all; no-op on a CPU build)")
     parser.add_argument("--flash-attn", choices=tuple(FLASH_ATTN), default="off",
-                        help="flash attention in both kvrt's and the baseline's contexts (see the module docstring)")
+                        help="flash attention in both kvrt's and the baseline's contexts")
 
 
 def _document(model, limit: int) -> list[int]:
