@@ -12,8 +12,12 @@ per-layer transfer and compute times T and C from the serial pass, the ideal
 speedup (T + C) / max(T, C), the bound for exactly these n layers (the same T_i, C_i
 replayed through the plan: pipeline fill and drain included), the efficiency
 against both, and the H2D GB/s during the overlapped pass against the transfer-only
-peak. ``--sweep`` walks compute_iters (or tokens) through the transfer-bound,
-balanced and compute-bound regimes and adds the interpolated balanced point T = C.
+peak; and the fraction of the ideal overlapped pass, n x max(T, C) (copies and
+computes each serialised on their own stream), with the spread over ``--repeats``
+passes. Bounds checked on every run (the run fails past them): fraction of the ideal
+<= 1, speed-up <= the n-layer bound. ``--sweep`` walks compute_iters (or tokens)
+through the transfer-bound, balanced and compute-bound regimes and adds the
+interpolated balanced point T = C.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ from kvrt.layer import LayerShape, fill_random
 from kvrt.streamer import LayerStreamer
 from kvrt.streamplan import RunTimes, StreamConfig, StreamReport, report
 from kvrt.streamwork import FmaWork, LayerWork
+from kvrt.benchmarks._bounds import DEFAULT_TOLERANCE, Bound, enforce, ideal_bound
 from kvrt.benchmarks._plotting import draw
+from kvrt.benchmarks._stats import check_samples
 
 HELP = "layer streaming: serial vs two-stream overlapped copies of pinned layers (FMA or real-layer work)"
 
@@ -52,28 +58,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", action="store_true",
                         help="also sweep compute_iters (fma) or tokens (layer) and add the balanced point")
     parser.add_argument("--sweep-values", default="", help="comma-separated values for --sweep (default: built-in)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed passes per schedule (median kept)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed passes per schedule (>= 3; median kept)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bound-tolerance", type=float, default=DEFAULT_TOLERANCE)
 
 
-def _median_pass(streamer: LayerStreamer, work: Callable[[int, Any], None], reset: Callable[[], None],
-                 *, overlapped: bool, repeats: int) -> RunTimes:
+def _passes(streamer: LayerStreamer, work: Callable[[int, Any], None], reset: Callable[[], None],
+            *, overlapped: bool, repeats: int) -> list[RunTimes]:
+    """``repeats`` passes of one schedule, fastest first."""
     passes = []
     for _ in range(repeats):
         reset()
         passes.append(streamer.run(work, overlapped=overlapped))
-    return sorted(passes, key=lambda t: t.total_ms)[len(passes) // 2]
+    return sorted(passes, key=lambda t: t.total_ms)
 
 
-def measure(streamer: LayerStreamer, work: Any, repeats: int) -> StreamReport:
-    """Warm up (JIT, cuBLAS, memory pool), then the median of ``repeats`` passes of each schedule."""
+def measure(streamer: LayerStreamer, work: Any, repeats: int) -> tuple[StreamReport, dict[str, float]]:
+    """Warm up (JIT, cuBLAS, memory pool), then the median of ``repeats`` passes of each schedule; with it the
+    serial and overlapped passes' min and max (the spread)."""
     for overlapped in (False, True):
         work.reset()
         streamer.run(work, overlapped=overlapped)
-    serial = _median_pass(streamer, work, work.reset, overlapped=False, repeats=repeats)
-    overlapped = _median_pass(streamer, work, work.reset, overlapped=True, repeats=repeats)
-    copies = _median_pass(streamer, lambda layer, slot: None, lambda: None, overlapped=True, repeats=repeats)
-    return report(serial, overlapped, copies, streamer.config.layer_bytes)
+    serial = _passes(streamer, work, work.reset, overlapped=False, repeats=repeats)
+    overlapped = _passes(streamer, work, work.reset, overlapped=True, repeats=repeats)
+    copies = _passes(streamer, lambda layer, slot: None, lambda: None, overlapped=True, repeats=repeats)
+    spread = {"passes": repeats, "serial_ms_min": serial[0].total_ms, "serial_ms_max": serial[-1].total_ms,
+              "overlapped_ms_min": overlapped[0].total_ms, "overlapped_ms_max": overlapped[-1].total_ms}
+    middle = repeats // 2
+    return report(serial[middle], overlapped[middle], copies[middle], streamer.config.layer_bytes), spread
 
 
 def fill_pool(streamer: LayerStreamer, fill: Callable[[Any, int], None]) -> None:
@@ -94,9 +106,25 @@ def balanced_value(points: list[dict[str, Any]], key: str) -> int | None:
     return None
 
 
-def _point(r: StreamReport, **labels: Any) -> dict[str, Any]:
-    return {**labels, **asdict(r), "speedup": r.speedup, "savings": r.savings, "efficiency": r.efficiency,
-            "pipeline_efficiency": r.pipeline_efficiency, "h2d_fraction": r.h2d_fraction}
+def _point(r: StreamReport, n_layers: int, spread: dict[str, float], **labels: Any) -> dict[str, Any]:
+    """One configuration's figures. The ideal overlapped pass is n x max(T, C): the copies and the computes each
+    run one after another on their own stream, so neither total can shrink; fraction_of_ideal = ideal / measured."""
+    ideal_ms = n_layers * max(r.transfer_ms, r.compute_ms)
+    return {**labels, "n_layers": n_layers, **asdict(r), **spread, "speedup": r.speedup, "savings": r.savings,
+            "efficiency": r.efficiency, "pipeline_efficiency": r.pipeline_efficiency, "h2d_fraction": r.h2d_fraction,
+            "ideal_overlapped_ms": ideal_ms, "fraction_of_ideal": ideal_ms / r.overlapped_ms}
+
+
+def stream_bounds(points: list[dict[str, Any]]) -> list[Bound]:
+    """Per point: overlapped no faster than n x max(T, C), speed-up no more than the n-layer pipeline bound."""
+    bounds = []
+    for p in points:
+        where = f"stream {p['mode']} n={p['n_layers']} x={p.get('tokens', p.get('compute_iters'))}"
+        bounds.append(ideal_bound(f"{where}: fraction of the ideal", p["fraction_of_ideal"],
+                                  "n x max(transfer, compute) per layer"))
+        bounds.append(Bound(f"{where}: speed-up over serial", p["speedup"], p["pipeline_ideal_speedup"],
+                            "a two-slot pipeline over these n layers with the measured T_i, C_i"))
+    return bounds
 
 
 def plot(points: list[dict[str, Any]], title: str, path: Path) -> None:
@@ -128,6 +156,7 @@ def plot(points: list[dict[str, Any]], title: str, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_samples(args.repeats)
     layer_mode = args.mode == "layer"
     shape = LayerShape.preset(args.preset) if layer_mode else None
     bytes_per_layer = shape.nbytes if shape else args.bytes_per_layer
@@ -157,9 +186,9 @@ def run(args: argparse.Namespace) -> int:
 
         def one(value: int, balanced: bool = False) -> tuple[StreamReport, dict[str, Any]]:
             work = LayerWork(cp, shape, value, seed=args.seed) if shape else FmaWork(cp, bytes_per_layer, value)
-            r = measure(streamer, work, args.repeats)
+            r, spread = measure(streamer, work, args.repeats)
             extra = {"layer_tflops": shape.flops(value) / (r.compute_ms * 1e9)} if shape else {}
-            point = _point(r, mode=args.mode, n_layers=args.n_layers, bytes_per_layer=bytes_per_layer,
+            point = _point(r, args.n_layers, spread, mode=args.mode, bytes_per_layer=bytes_per_layer,
                            **{key: value}, balanced=balanced, **extra)
             print(f"[{key}={value}{' balanced' if balanced else ''}] serial={r.serial_ms:.2f} ms "
                   f"overlapped={r.overlapped_ms:.2f} ms speedup={r.speedup:.3f}x | {r.detail()}"
@@ -193,4 +222,4 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"DETAIL: {args.mode} {key}={base}: {results[0][0].detail()}")
     print(results[0][0].headline())
-    return 0
+    return enforce(stream_bounds(points), args.bound_tolerance, out)
