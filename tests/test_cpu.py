@@ -214,3 +214,24 @@ def test_doctor_reports_the_cpu_decision() -> None:
     assert "[CPU]" in done.stdout
     assert "use_extra_bufts=" in done.stdout
     assert "[warnings]" in done.stdout
+
+
+def test_a_pageable_pool_on_a_gpu_machine_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import warnings
+
+    from kvrt import hostpool
+    from kvrt.ledger import NvmlProbe
+
+    monkeypatch.setattr(hostpool, "_cuda_available", lambda: False)
+    monkeypatch.setattr(NvmlProbe, "available", staticmethod(lambda: True))
+    monkeypatch.setattr(hostpool, "_pageable_warned", hostpool.threading.Event())
+    with pytest.warns(RuntimeWarning, match="pageable"):
+        hostpool.HostPool()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hostpool.HostPool()  # once per process, not per pool
+    monkeypatch.setattr(NvmlProbe, "available", staticmethod(lambda: False))
+    monkeypatch.setattr(hostpool, "_pageable_warned", hostpool.threading.Event())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hostpool.HostPool()  # no GPU: pageable is simply what there is
