@@ -7,7 +7,7 @@ latency a tenant sees when ``grow_to`` crosses a page boundary: with the next pa
 already mapped ahead, with pages created ahead but not mapped, and cold (created on the
 critical path). p50/p99 over ``--pages`` crossings each.
 
-``--part b`` (GPU): a bursty trace of requests to several models (KV geometries of
+``--part b`` (GPU), **a simulation**: no model runs. A bursty trace of requests to several models (KV geometries of
 Llama-3.2-1B, Qwen2.5-7B and Llama-3.1-8B, each allowed ``--max-ctx`` tokens) under one
 KV memory cap, served two ways. *Static*: a model is resident only while it holds KV
 for its whole max context (stock llama.cpp: the context allocates and clears it;
@@ -72,7 +72,16 @@ from kvrt.elastic import ElasticPool, ElasticRefusal
 from kvrt.elastic_kv import ElasticKV, KVLayout
 from kvrt.benchmarks._plotting import draw
 
-HELP = "elastic KV memory: VMM page costs, bursty multi-model trace (static vs elastic), elastic llama.cpp contexts"
+HELP = ("elastic KV memory: VMM page costs, a SIMULATED bursty multi-model trace (static vs elastic; the measured run "
+        "is `kvrt bench multimodel`), elastic llama.cpp contexts")
+SIMULATION_ASSUMES = (
+    "no model runs: compute is modelled (prefill us/token and decode ms/token per model from H200 measurements, "
+    "scaled by weight size), identically in both arms",
+    "only the memory operations are real and timed (static: cudaMalloc + cudaMemset of a model's whole max KV; "
+    "elastic: VMM page map/unmap); on --driver host they are Python bookkeeping and a scaled-down host array",
+    "up to --slots concurrent requests per model, models and requests side by side without compute contention",
+    "weights resident and outside the cap; time is virtual (an event queue), not a wall clock",
+)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -452,6 +461,7 @@ def idle_coresidence(models: list[TraceModel], cap: int, driver: Any, probe: int
 
 
 def part_b(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    print("  SIMULATION (no model runs; what it assumes: " + "; ".join(SIMULATION_ASSUMES) + ")")
     models = trace_models(args.models, args.max_ctx)
     cap = int(args.cap_gib * GiB)
     driver = _driver(args.driver)
@@ -470,8 +480,8 @@ def part_b(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                   f"TTFT p50 {result['ttft_p50_ms']:9.1f} ms p99 {result['ttft_p99_ms']:9.1f} ms, queued "
                   f"{result['queued_fraction']:.0%} (for memory {result['mem_wait_fraction']:.1%}), "
                   f"mem op p99 {result['mem_op_p99_us'] / 1e3:.2f} ms, peak {result['peak_bytes'] / GiB:.2f} GiB")
-    draw(_plot_memory, timelines, cap, out / "elastic-b-memory.png")
-    with (out / "elastic-b-memory.csv").open("w") as fh:
+    draw(_plot_memory, timelines, cap, out / "elastic-b-simulation-memory.png")
+    with (out / "elastic-b-simulation-memory.csv").open("w") as fh:
         fh.write("arm,load,t_s,bytes\n")
         for (arm, load), points in timelines.items():
             fh.writelines(f"{arm},{load},{t:.6f},{b}\n" for t, b in points)
@@ -498,7 +508,8 @@ def part_b(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     else:
         print(f"  static never has > {args.queue_threshold:.0%} of its requests waiting for memory at these loads: "
               f"the trace does not reach the regime the target is about (raise --loads, --models or --max-ctx)")
-    return {"cap_bytes": cap, "models": [asdict(m) | {"max_kv_bytes": m.max_kv_bytes} for m in models],
+    return {"simulation": True, "assumes": list(SIMULATION_ASSUMES), "cap_bytes": cap,
+            "models": [asdict(m) | {"max_kv_bytes": m.max_kv_bytes} for m in models],
             "idle_coresidence": coresident, "rows": rows, "headline": headline}
 
 
@@ -521,7 +532,7 @@ def _plot_memory(timelines: dict[tuple[str, float], list[tuple[float, int]]], ca
         ax.set_ylabel(f"GiB (load {load})")
     axes[0, 0].legend(loc="upper right")
     axes[-1, 0].set_xlabel("trace time (virtual s)")
-    fig.suptitle("KV memory held: static reservation vs elastic pool")
+    fig.suptitle("SIMULATION (compute modelled): KV memory held, static reservation vs elastic pool")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -720,7 +731,7 @@ def run(args: argparse.Namespace) -> int:
     for part in parts:
         print(f"elastic part {part}:")
         result = {"a": lambda: part_a(args), "b": lambda: part_b(args, out), "c": lambda: part_c(args)}[part]()
-        path = out / f"elastic-{part}.json"
+        path = out / ("elastic-b-simulation.json" if part == "b" else f"elastic-{part}.json")
         path.write_text(json.dumps({"meta": meta, "result": result}, indent=1, default=str))
         print(f"  wrote {path}")
     return 0
