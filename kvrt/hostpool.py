@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvrt.errors import KvrtError
+from kvrt.gpu import cupy_usable, nvidia_gpu_count
 
 PAGE = 4096
 _CLASSES_PER_OCTAVE = 8
@@ -40,23 +41,12 @@ def size_class(nbytes: int) -> int:
     return -(-pages // step) * step * PAGE
 
 
-def _cuda_available() -> bool:
-    try:
-        import cupy  # noqa: PLC0415  (optional, GPU machines only)
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
-        return False
-
-
 _pageable_warned = threading.Event()
 
 
 def _warn_pageable_on_gpu_machine() -> None:
     """Say once, loudly, that a GPU machine's pool is pageable: swaps then run at a fraction of PCIe speed."""
-    from kvrt.ledger import NvmlProbe  # noqa: PLC0415  (NVML only matters on this path)
-
-    if _pageable_warned.is_set() or not NvmlProbe.available():
+    if _pageable_warned.is_set() or not nvidia_gpu_count():
         return
     _pageable_warned.set()
     warnings.warn("an NVIDIA GPU is visible but CuPy is missing or sees no device: host pools fall back to pageable "
@@ -153,7 +143,7 @@ class HostPool:
 
     def __init__(self, *, pinned: bool | None = None, max_cached_bytes: int | None = None,
                  max_bytes: int | None = None) -> None:
-        available = _cuda_available() if pinned is not False else False
+        available = cupy_usable() if pinned is not False else False
         if pinned and not available:
             raise HostPoolError("pinned host memory needs CuPy and a CUDA GPU; neither is usable here")
         if pinned is None and not available:

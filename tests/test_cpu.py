@@ -220,17 +220,16 @@ def test_a_pageable_pool_on_a_gpu_machine_warns_once(monkeypatch: pytest.MonkeyP
     import warnings
 
     from kvrt import hostpool
-    from kvrt.ledger import NvmlProbe
 
-    monkeypatch.setattr(hostpool, "_cuda_available", lambda: False)
-    monkeypatch.setattr(NvmlProbe, "available", staticmethod(lambda: True))
+    monkeypatch.setattr(hostpool, "cupy_usable", lambda: False)
+    monkeypatch.setattr(hostpool, "nvidia_gpu_count", lambda: 1)
     monkeypatch.setattr(hostpool, "_pageable_warned", hostpool.threading.Event())
     with pytest.warns(RuntimeWarning, match="pageable"):
         hostpool.HostPool()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         hostpool.HostPool()  # once per process, not per pool
-    monkeypatch.setattr(NvmlProbe, "available", staticmethod(lambda: False))
+    monkeypatch.setattr(hostpool, "nvidia_gpu_count", lambda: 0)
     monkeypatch.setattr(hostpool, "_pageable_warned", hostpool.threading.Event())
     with warnings.catch_warnings():
         warnings.simplefilter("error")

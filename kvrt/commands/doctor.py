@@ -60,19 +60,6 @@ def _cpu() -> list[str]:
     ]
 
 
-def _nvml_gpu_count() -> int:
-    import pynvml
-
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return 0
-    try:
-        return int(pynvml.nvmlDeviceGetCount())
-    finally:
-        pynvml.nvmlShutdown()
-
-
 def warnings_for(*, nvml_gpus: int, llama_gpu_offload: bool, cupy_usable: bool) -> list[str]:
     """What would make a GPU machine run slower than it should, in plain words."""
     found = []
@@ -85,20 +72,12 @@ def warnings_for(*, nvml_gpus: int, llama_gpu_offload: bool, cupy_usable: bool) 
     return found
 
 
-def _cupy_usable() -> bool:
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # any import or driver failure means no pinned pools
-        return False
-
-
 def _warnings() -> list[str]:
     from kvrt.bindings import lib
+    from kvrt.gpu import cupy_usable, nvidia_gpu_count
 
-    found = warnings_for(nvml_gpus=_nvml_gpu_count(), llama_gpu_offload=bool(lib().llama_supports_gpu_offload()),
-                         cupy_usable=_cupy_usable())
+    found = warnings_for(nvml_gpus=nvidia_gpu_count(), llama_gpu_offload=bool(lib().llama_supports_gpu_offload()),
+                         cupy_usable=cupy_usable())
     return found or ["none"]
 
 
@@ -119,9 +98,9 @@ def _nvml() -> list[str]:
 
 
 def _cupy() -> list[str]:
-    import cupy
+    from kvrt.gpu import cupy_with_device
 
-    return [f"cupy            {cupy.__version__}, {cupy.cuda.runtime.getDeviceCount()} device(s)"]
+    return [f"cupy            {cupy_with_device()[1]}"]
 
 
 def _numba() -> list[str]:

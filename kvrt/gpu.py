@@ -1,0 +1,56 @@
+"""What GPUs this process can use, asked once in one place: NVML, CuPy and llama.cpp's own devices.
+
+Each question has its own answer because they differ on real machines: NVML can see a
+GPU that a CPU-only llama.cpp build cannot use, and CuPy can be missing where both see
+one (then host pools are pageable). Every function here is safe on a machine with no GPU,
+no driver and no CuPy: it answers "none" and says why where a reason helps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def nvidia_gpu_count() -> int:
+    """NVIDIA GPUs visible through NVML (0 without the library, the driver or a device)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no library, no driver: no NVML GPU
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:
+        return 0
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def cupy_with_device() -> tuple[Any | None, str]:
+    """CuPy when it imports and sees at least one CUDA device, else ``None`` and the reason."""
+    try:
+        import cupy  # noqa: PLC0415  (GPU machines only)
+    except ImportError as exc:
+        return None, f"CuPy is not importable ({exc})"
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # CUDARuntimeError and driver failures alike
+        return None, f"the CUDA runtime sees no device ({exc})"
+    if count == 0:
+        return None, "the CUDA runtime reports 0 devices"
+    return cupy, f"CuPy {cupy.__version__} with {count} device(s)"
+
+
+def cupy_usable() -> bool:
+    """True when CuPy can allocate pinned memory and device arrays here."""
+    return cupy_with_device()[0] is not None
+
+
+def llama_gpu_devices() -> list[Any]:
+    """llama.cpp's GPU devices (ggml backend devices of type gpu or igpu); empty on a CPU build."""
+    from kvrt.bindings import DEVICE_TYPES, ggml
+
+    g = ggml()
+    devices = (g.ggml_backend_dev_get(i) for i in range(g.ggml_backend_dev_count()))
+    return [d for d in devices if DEVICE_TYPES.get(g.ggml_backend_dev_type(d)) in ("gpu", "igpu")]
