@@ -76,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swap-docs", default="4096,32768")
     parser.add_argument("--swap-peers", default="ram,disk",
                         help="swap: llama-cpp-python prompt caches to run beside kvrt ('' for none)")
+    parser.add_argument("--peer-disk-max-tokens", type=int, default=None,
+                        help="swap: run the disk cache only for documents of at most this many tokens (it pickles "
+                             "the whole state and its logits array to disk: seconds per trial at 32k tokens)")
     parser.add_argument("--flash-attn", choices=("on", "off", "auto"), default="off",
                         help="swap: flash attention in kvrt's and the peer's contexts alike")
     parser.add_argument("--bound-tolerance", type=float, default=DEFAULT_TOLERANCE)
@@ -206,7 +209,8 @@ def swap_point(model: Model, n_doc: int, args: argparse.Namespace, pool: HostPoo
          f"{k['swap_in_kept_ms_max']:.1f}], in (fresh ctx) {k['swap_in_fresh_ms']:.1f}, switch {k['switch_ttft_ms']:.1f}"
          f" ms; ideal {ideal_ms:.1f} ms ({ideal_kind}, {k['ideal_gbps']:.1f} GB/s): fraction "
          f"{k['fraction_of_ideal']:.3f}; exact {k['exact_all_trials']}")
-    kinds = [c for c in args.swap_peers.split(",") if c]
+    kinds = [c for c in args.swap_peers.split(",")
+             if c and (c != "disk" or args.peer_disk_max_tokens is None or n_doc <= args.peer_disk_max_tokens)]
     if kinds:
         with LlamaPeer(model.path, n_ctx=params.n_ctx, n_threads=args.threads, n_gpu_layers=-1,
                        flash_attn=args.flash_attn == "on") as peer, tempfile.TemporaryDirectory() as folder:

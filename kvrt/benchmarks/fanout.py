@@ -32,7 +32,7 @@ from typing import Any
 
 from kvrt.benchmarks import _fanout_arms
 from kvrt.benchmarks._bounds import DEFAULT_TOLERANCE, Bound, enforce, ideal_bound, speedup_bound
-from kvrt.benchmarks._fanout_arms import (ARMS, REFERENCE, RUNNERS, Baseline, ArmRun, Setup, fox_document,
+from kvrt.benchmarks._fanout_arms import (ARMS, PEER_ARMS, REFERENCE, RUNNERS, Baseline, ArmRun, Setup, fox_document,
                                           make_setup, run_baseline, warm)
 from kvrt.benchmarks._plotting import draw
 from kvrt.benchmarks._stats import check_samples, machine, ratios, summarize, write_csv, write_json
@@ -55,7 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trials", type=int, default=3, help="timed rounds per point (>= 3)")
     parser.add_argument("--headline-arms", default=HEADLINE_ARMS, help=f"comma-separated subset of {ARMS}")
     parser.add_argument("--sweep-n", default="1,2,8,32", help="comma-separated branch counts ('' skips the sweep)")
-    parser.add_argument("--sweep-docs", default="512", help="comma-separated document lengths")
+    parser.add_argument("--sweep-docs", default="512",
+                        help="comma-separated document lengths; LENGTH:N/N/... gives that length its own branch counts")
+    parser.add_argument("--peer-max-n", type=int, default=None,
+                        help="sweep: run the peer arms only at points of at most this many branches (its per-branch "
+                             "state saves dominate a long run; default: every point)")
     parser.add_argument("--sweep-arms", default=SWEEP_ARMS, help=f"comma-separated subset of {ARMS}")
     parser.add_argument("--n-gpu-layers", type=int, default=-1)
     parser.add_argument("--threads", type=int, default=None)
@@ -88,6 +92,17 @@ def _mismatches(texts: list[str], reference: list[str]) -> int:
     return sum(clean(a) != clean(b) for a, b in zip(texts, reference)) + abs(len(texts) - len(reference))
 
 
+def sweep_points(docs: str, default_ns: str) -> list[tuple[int, list[int]]]:
+    """``--sweep-docs`` parsed: (length, branch counts) per length, ``LENGTH:N/N`` overriding ``--sweep-n``."""
+    points = []
+    for item in (x.strip() for x in docs.split(",") if x.strip()):
+        length, _, ns = item.partition(":")
+        counts = [int(n) for n in (ns.split("/") if ns else default_ns.split(",")) if n.strip()]
+        if counts:
+            points.append((int(length), counts))
+    return points
+
+
 def measure_point(setup: Setup, n: int, arms: list[str], trials: int, part: str) -> list[dict[str, Any]]:
     """``trials`` rounds of every arm at ``n`` branches, arms rotated per round; one row per arm and round."""
     rows = []
@@ -98,6 +113,7 @@ def measure_point(setup: Setup, n: int, arms: list[str], trials: int, part: str)
         for arm in arms:
             run = runs[arm]
             rows.append({"Part": part, "Doc_Tokens": len(setup.doc), "N": n, "Arm": arm, "Trial": trial + 1,
+                         "Fork": setup.fork if arm == "shared" else "",
                          "E2E_Ms": run.total_ms, "Activation_Ms": run.activation_ms, "Prefill_Ms": run.prefill_ms,
                          "Fork_Ms": run.fork_ms, "Restore_Ms": run.restore_ms,
                          "Contexts_Created": run.contexts_created,
@@ -141,6 +157,7 @@ def summarize_point(rows: list[dict[str, Any]], one_branch_prefill_ms: float | N
     for arm in arms:
         mine = [r for r in rows if r["Arm"] == arm]
         row: dict[str, Any] = {"Part": first["Part"], "Doc_Tokens": first["Doc_Tokens"], "N": n, "Arm": arm,
+                               "Fork": mine[0]["Fork"],
                                "Samples": len(mine), **_summary_columns("E2E_Ms", e2e[arm]),
                                **_summary_columns("Activation_Ms", act[arm])}
         row.update(_ratio_columns("Speedup_Vs_Baseline", e2e[REFERENCE], e2e[arm]))
@@ -223,8 +240,9 @@ def run_length(model: Model, args: argparse.Namespace, doc_tokens: int, ns: list
         warm(setup, arms, min(2, max(ns)))
         one_prefill: float | None = None
         for n in ns:
-            print(f"{part}: {doc_tokens} tokens x {n} branches, arms {', '.join(arms)}", file=sys.stderr)
-            rows = measure_point(setup, n, arms, args.trials, part)
+            here = [a for a in arms if a not in PEER_ARMS or args.peer_max_n is None or n <= args.peer_max_n]
+            print(f"{part}: {doc_tokens} tokens x {n} branches, arms {', '.join(here)}", file=sys.stderr)
+            rows = measure_point(setup, n, here, args.trials, part)
             if n == 1 and "shared" in arms:
                 one_prefill = summarize(r["Prefill_Ms"] for r in rows if r["Arm"] == "shared").median
             summary = summarize_point(rows, one_prefill)
@@ -245,10 +263,8 @@ def run(args: argparse.Namespace) -> int:
         recorder = Recorder(out, model, args)
         if not args.skip_headline:
             run_length(model, args, args.doc_tokens, [2], _arms(args.headline_arms), "headline", recorder)
-        ns = [int(x) for x in args.sweep_n.split(",") if x.strip()]
-        if ns:
-            for length in (int(x) for x in args.sweep_docs.split(",") if x.strip()):
-                run_length(model, args, length, ns, _arms(args.sweep_arms), "sweep", recorder)
+        for length, ns in sweep_points(args.sweep_docs, args.sweep_n):
+            run_length(model, args, length, ns, _arms(args.sweep_arms), "sweep", recorder)
     draw(_plot, recorder.summary, out / "plots")
     print(f"results in {out}")
     return enforce(point_bounds(recorder.summary), args.bound_tolerance, out)
