@@ -7,7 +7,9 @@
 #          (the streamer, elastic and ledger GPU tests run inside their own step scripts)
 # A machine kept warm between two calls keeps /tmp, so `early` then `late` build once.
 # Everything lands in $RESULTS and is packed into $OUT/results.tgz (+ $OUT/summary.txt).
-# Knobs: SKIP_STEP="name ..." skips those step scripts, SKIP_STEPS=1 all of them, SKIP_BASICS=1 the
+# Knobs: DEADLINE_S=N (seconds from the start): every step's time limit is cut to what is left before it
+# (minus PACK_MARGIN_S, default 15), steps with no time left are skipped, so results.tgz is always written
+# inside the call's limit. SKIP_STEP="name ..." skips those step scripts, SKIP_STEPS=1 all of them, SKIP_BASICS=1 the
 # import-order probe and the llama.cpp GPU tests. The CUDA build cannot travel back to skip the
 # ~250 s build next time: xz -6 makes it 116 MB, over what a call carries. A cold machine runs
 # `all` within one call's 600 s only with steps trimmed (SKIP_STEP, AGENT_PARTS, FORK_SWEEP_N).
@@ -51,13 +53,24 @@ make_models() {
   note "models: $(ls -sh "$MODELS" | tr '\n' ' ')"
 }
 
+step_limit() {  # seconds the next step may run: STEP_TIMEOUT, cut to what DEADLINE_S leaves
+  local limit=${STEP_TIMEOUT:-260}
+  if [ -n "${DEADLINE_S:-}" ]; then
+    local left=$(( DEADLINE_S - SECONDS - ${PACK_MARGIN_S:-15} ))
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
+  echo "$limit"
+}
+
 run_steps() {  # every script in tools/device_steps/$1, each with its own log and time limit
-  local dir="tools/device_steps/$1" step name t0
+  local dir="tools/device_steps/$1" step name t0 limit
   for step in "$dir"/*.sh; do
     [ -e "$step" ] || continue
     name=$(basename "$step" .sh); t0=$SECONDS
     case " ${SKIP_STEP:-} " in *" $name "*) note "step $name: skipped (SKIP_STEP)"; continue ;; esac
-    timeout "${STEP_TIMEOUT:-260}" bash "$step" > "$RESULTS/step-$name.log" 2>&1
+    limit=$(step_limit)
+    [ "$limit" -gt 5 ] || { note "step $name: skipped (DEADLINE_S: ${limit} s left)"; continue; }
+    timeout "$limit" bash "$step" > "$RESULTS/step-$name.log" 2>&1
     note "step $name: rc=$? in $((SECONDS - t0)) s; tail:"; tail -n 8 "$RESULTS/step-$name.log" | sed 's/^/    /' | tee -a "$summary"
   done
 }
@@ -81,7 +94,7 @@ case "$phase" in
 esac
 if [ -z "${SKIP_BASICS:-}" ]; then   # import-order probe and the llama.cpp GPU tests
   python3 tools/probe_import_order.py > "$RESULTS/import-order.log" 2>&1; note "import-order probe: $(tail -n 3 "$RESULTS/import-order.log" | tr '\n' ' ')"
-  timeout "${PYTEST_TIMEOUT:-300}" python3 tools/pytest_llama_first.py -m gpu -p no:cacheprovider --continue-on-collection-errors -q -rs ${GPU_TESTS:-tests/test_gpu_foundation.py tests/test_snapshot.py} > "$RESULTS/pytest-gpu.log" 2>&1
+  timeout "$(step_limit)" python3 tools/pytest_llama_first.py -m gpu -p no:cacheprovider --continue-on-collection-errors -q -rs ${GPU_TESTS:-tests/test_gpu_foundation.py tests/test_snapshot.py} > "$RESULTS/pytest-gpu.log" 2>&1
   note "pytest -m gpu: rc=$? $(tail -n 1 "$RESULTS/pytest-gpu.log")"
 fi
 [ -n "${SKIP_STEPS:-}" ] || run_steps late

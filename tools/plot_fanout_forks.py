@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Shared mode's two forks side by side, from the sweep.csv files of `kvrt bench fanout --fork ...`.
+"""Shared mode's two forks side by side, from the summary.csv files of `kvrt bench fanout --fork ...`.
 
 Left: the fork's host time per branch (both forks do the same seq_cp work). Right: what of it
 lengthened the run (Fork_Exposed_Ms_Per_Branch). Usage:
-    plot_fanout_forks.py OUT.png during/sweep.csv after/sweep.csv
+    plot_fanout_forks.py OUT.png during/summary.csv after/summary.csv
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main(out: str, *sweeps: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for path in sweeps:
         with Path(path).open() as f:
-            rows = [r for r in csv.DictReader(f) if r["Mode"] == "shared" and int(r["N"]) > 1]
+            rows = [r for r in csv.DictReader(f) if r["Arm"] == "shared" and int(r["N"]) > 1]
         for length in sorted({int(r["Doc_Tokens"]) for r in rows}):
             points = [r for r in rows if int(r["Doc_Tokens"]) == length]
             for ax, (column, label) in zip(axes, PANELS):
