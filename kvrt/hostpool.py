@@ -13,6 +13,8 @@ only when pinning is asked for or detected, never on a CPU-only path.
 from __future__ import annotations
 
 import threading
+import weakref
+from collections import deque
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -70,21 +72,26 @@ def _alloc_aligned(capacity: int) -> tuple[np.ndarray, Any]:
 class HostBuffer:
     """A leased host buffer: :attr:`view` is exactly ``nbytes`` long and writable.
 
-    Return it with :meth:`release` (idempotent); using :attr:`view` afterwards raises,
-    because the memory may already belong to someone else.
+    Return it with :meth:`release` or a ``with`` block (releasing twice is harmless);
+    using :attr:`view` afterwards raises, because the memory may already belong to
+    someone else. A buffer dropped unreleased goes back to its pool when it is
+    collected, or at interpreter exit (``weakref.finalize``).
+
+    Invariant: giving the block back only appends it to the pool's return queue, which
+    never blocks, so a finalizer run by a collection on a thread that holds the pool's
+    lock cannot deadlock; the pool settles the queue under its lock on its next call.
     """
 
-    __slots__ = ("_pool", "_block", "nbytes", "_released")
+    __slots__ = ("_block", "nbytes", "_finalizer", "__weakref__")
 
-    def __init__(self, pool: HostPool, block: _Block, nbytes: int) -> None:
-        self._pool = pool
+    def __init__(self, returns: deque[_Block], block: _Block, nbytes: int) -> None:
         self._block = block
         self.nbytes = nbytes
-        self._released = False
+        self._finalizer = weakref.finalize(self, returns.append, block)
 
     @property
     def view(self) -> np.ndarray:
-        if self._released:
+        if not self._finalizer.alive:
             raise HostPoolError("this host buffer was released back to its pool")
         return self._block.array[:self.nbytes]
 
@@ -98,12 +105,11 @@ class HostBuffer:
 
     @property
     def released(self) -> bool:
-        return self._released
+        return not self._finalizer.alive
 
     def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._pool._give_back(self._block)
+        """Give the buffer back to its pool (at most once, whoever calls first)."""
+        self._finalizer()
 
     def __enter__(self) -> HostBuffer:
         return self
@@ -152,6 +158,7 @@ class HostPool:
         self.max_cached_bytes = max_cached_bytes
         self.max_bytes = max_bytes
         self._free: dict[int, list[_Block]] = {}
+        self._returned: deque[_Block] = deque()  # released blocks not yet back in the books (see HostBuffer)
         self._lock = threading.Lock()
         self._allocations = 0
         self._reuses = 0
@@ -162,13 +169,14 @@ class HostPool:
         """A buffer of at least ``nbytes`` (its view exactly ``nbytes``), reused when one is free."""
         capacity = size_class(nbytes)
         with self._lock:
+            self._settle_returns()
             free = self._free.get(capacity)
             if free:
                 block = free.pop()
                 self._cached -= capacity
                 self._reuses += 1
                 self._in_use += capacity
-                return HostBuffer(self, block, nbytes)
+                return HostBuffer(self._returned, block, nbytes)
             if self.max_bytes is not None and self._in_use + self._cached + capacity > self.max_bytes:
                 self._trim(self._in_use + capacity)
                 if self._in_use + self._cached + capacity > self.max_bytes:
@@ -184,15 +192,19 @@ class HostPool:
                 self._in_use -= capacity
             raise HostPoolError(f"could not allocate {capacity} bytes of "
                                 f"{'pinned' if self.pinned else 'pageable'} host memory: {exc}") from exc
-        return HostBuffer(self, _Block(array, owner, capacity, self.pinned), nbytes)
+        return HostBuffer(self._returned, _Block(array, owner, capacity, self.pinned), nbytes)
 
-    def _give_back(self, block: _Block) -> None:
-        with self._lock:
+    def _settle_returns(self) -> None:
+        """Move every released block from the return queue into the cache (lock held)."""
+        returned = False
+        while self._returned:
+            block = self._returned.popleft()
             self._in_use -= block.capacity
             self._free.setdefault(block.capacity, []).append(block)
             self._cached += block.capacity
-            if self.max_cached_bytes is not None:
-                self._trim_cache_to(self.max_cached_bytes)
+            returned = True
+        if returned and self.max_cached_bytes is not None:
+            self._trim_cache_to(self.max_cached_bytes)
 
     def _trim(self, keep_in_use: int) -> None:
         """Drop cached blocks until in-use + cached fits ``max_bytes`` (lock held)."""
@@ -211,11 +223,13 @@ class HostPool:
     def clear(self) -> None:
         """Free every cached buffer (leased ones stay valid)."""
         with self._lock:
+            self._settle_returns()
             self._trim_cache_to(0)
 
     @property
     def stats(self) -> HostPoolStats:
         with self._lock:
+            self._settle_returns()
             return HostPoolStats(self._allocations, self._reuses, self._in_use, self._cached, self.pinned)
 
 

@@ -31,24 +31,28 @@ Tiers, one interface:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import stat
 import struct
 import tempfile
 import threading
+import typing
 import weakref
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 
 from kvrt.bindings import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_ON_DEVICE
 from kvrt.context import Context
 from kvrt.errors import KvrtError
-from kvrt.hostpool import HostBuffer, HostPool, default_pool
+from kvrt.hostpool import HostBuffer, HostPool, HostPoolError, default_pool
 from kvrt.model import ModelFingerprint
 
 Tier = Literal["host", "device", "disk"]
@@ -59,6 +63,7 @@ VERSION = 1
 _PREFIX = struct.Struct("<8sII")  # magic, version, header length
 _DIGEST = 16
 _READ_CHUNK = 64 << 20
+MAX_HEADER = 1 << 20  # a real header is ~400 bytes; a longer length field is damage, not data
 
 
 class SnapshotError(KvrtError):
@@ -107,7 +112,11 @@ _device_lock = threading.Lock()
 
 
 class Snapshot:
-    """The KV state of one sequence, in one tier (see the module docstring)."""
+    """The KV state of one sequence, in one tier (see the module docstring).
+
+    Release it with :meth:`release` or a ``with`` block; one dropped unreleased gives its
+    host buffer and temporary file back when it is collected, or at interpreter exit.
+    """
 
     def __init__(self, *, tier: Tier, fingerprint: ModelFingerprint, layout: StateLayout, n_tokens: int,
                  nbytes: int, tokens_hash: str | None, buffer: HostBuffer | None = None,
@@ -121,11 +130,10 @@ class Snapshot:
         self.tokens_hash = tokens_hash
         self._buffer = buffer
         self.path = path
-        self._owns_path = owns_path
         self._device_ctx = weakref.ref(device_ctx) if device_ctx is not None else None
         self.source_seq = source_seq
         self._generation = generation
-        self._released = False
+        self._finalizer = weakref.finalize(self, _give_back, buffer, path if owns_path else None)
 
     # -- capture ------------------------------------------------------------------------
     @classmethod
@@ -149,41 +157,44 @@ class Snapshot:
             raise SnapshotError(f"{len(tokens)} token ids given but sequence {seq_id} holds {n_tokens} tokens")
         common = dict(fingerprint=ctx.model.fingerprint, layout=StateLayout.of(ctx), n_tokens=n_tokens,
                       tokens_hash=token_hash(tokens) if tokens is not None else None, source_seq=seq_id)
+        target = _as_path(path, "save a snapshot to") if path is not None else None
         pool = pool or default_pool()
         if tier == "device":
             return cls._capture_device(ctx, seq_id, pool, common)
         size = ctx.seq_state_size(seq_id)
         buffer = pool.acquire(size)
-        try:
-            written = ctx.seq_state_get(seq_id, buffer.view)
-        except BaseException:
-            buffer.release()
-            raise
-        snapshot = cls(tier="host", nbytes=written, buffer=_shrink(buffer, written), **common)
+        with _released_on_error(buffer):
+            _shrink(buffer, ctx.seq_state_get(seq_id, buffer.view))
+        snapshot = cls(tier="host", nbytes=buffer.nbytes, buffer=buffer, **common)
         if tier == "disk":
-            owns = path is None
-            target = Path(path) if path is not None else _temp_path()
-            try:
-                snapshot.save(target)
-            finally:
-                snapshot.release()
-            return cls(tier="disk", nbytes=written, path=target, owns_path=owns, **common)
+            return cls._to_disk(snapshot, target, common)
         return snapshot
+
+    @classmethod
+    def _to_disk(cls, host: Snapshot, path: Path | None, common: dict[str, Any]) -> Snapshot:
+        """A disk snapshot of ``host`` (released here) at ``path``, or in a temporary file it owns."""
+        owns = path is None
+        with host:
+            target = _temp_path() if path is None else path
+            try:
+                host.save(target)
+                return cls(tier="disk", nbytes=host.nbytes, path=target, owns_path=owns, **common)
+            except BaseException:
+                if owns:
+                    target.unlink(missing_ok=True)
+                raise
 
     @classmethod
     def _capture_device(cls, ctx: Context, seq_id: int, pool: HostPool, common: dict[str, Any]) -> Snapshot:
         size = ctx.seq_state_size(seq_id, STATE_SEQ_FLAGS_ON_DEVICE)
         buffer = pool.acquire(size)
-        try:
-            written = ctx.seq_state_get(seq_id, buffer.view, STATE_SEQ_FLAGS_ON_DEVICE)
-        except BaseException:
-            buffer.release()
-            raise
+        with _released_on_error(buffer):
+            _shrink(buffer, ctx.seq_state_get(seq_id, buffer.view, STATE_SEQ_FLAGS_ON_DEVICE))
         with _device_lock:
             generations = _device_generations.setdefault(ctx, {})
             generation = generations.get(seq_id, 0) + 1
             generations[seq_id] = generation
-        return cls(tier="device", nbytes=written, buffer=_shrink(buffer, written), device_ctx=ctx,
+        return cls(tier="device", nbytes=buffer.nbytes, buffer=buffer, device_ctx=ctx,
                    generation=generation, **common)
 
     # -- restore ------------------------------------------------------------------------
@@ -246,93 +257,108 @@ class Snapshot:
         }, sort_keys=True).encode()
 
     def save(self, path: str | os.PathLike[str]) -> Path:
-        """Write the snapshot to ``path`` atomically (temp file, fsync, rename)."""
+        """Write the snapshot to ``path`` atomically (temp file, fsync, rename); returns the path."""
         self._check_live()
+        target = _as_path(path, "save a snapshot to")
         if self.tier == "device":
             raise SnapshotError("a device-tier snapshot keeps its tensors in the context; capture to the host "
                                 "tier to save it")
         if self.tier == "disk":
-            loaded = Snapshot.load(self.path, expect=self)
-            try:
-                return loaded.save(path)
-            finally:
-                loaded.release()
+            with Snapshot.load(self.path, expect=self) as loaded:
+                return loaded.save(target)
         assert self._buffer is not None
-        target = Path(path)
-        header = self._header()
-        prefix = _PREFIX.pack(MAGIC, VERSION, len(header))
-        digest = hashlib.blake2b(digest_size=_DIGEST)
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent or ".")
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        except OSError as exc:
+            raise _save_error(target, exc) from exc
         try:
             with os.fdopen(fd, "wb") as fh:
-                for part in (prefix[8:], header):
-                    digest.update(part)
-                fh.write(prefix)
-                fh.write(header)
-                payload = self._buffer.view
-                digest.update(payload)
-                fh.write(payload)
-                fh.write(digest.digest())
-                fh.flush()
-                os.fsync(fh.fileno())
+                self._write(fh)
             os.replace(tmp, target)
-        except BaseException:
+        except BaseException as exc:
             Path(tmp).unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise _save_error(target, exc) from exc
             raise
         return target
+
+    def _write(self, fh: BinaryIO) -> None:
+        """Prefix, header, state bytes and the BLAKE2b digest of everything after the magic; fsynced."""
+        assert self._buffer is not None
+        header = self._header()
+        prefix = _PREFIX.pack(MAGIC, VERSION, len(header))
+        payload = self._buffer.view
+        digest = hashlib.blake2b(prefix[8:], digest_size=_DIGEST)
+        digest.update(header)
+        digest.update(payload)
+        for part in (prefix, header, payload, digest.digest()):
+            fh.write(part)
+        fh.flush()
+        os.fsync(fh.fileno())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], pool: HostPool | None = None, *,
              expect: Snapshot | None = None) -> Snapshot:
-        """Read and verify a snapshot file into a host-tier snapshot; nothing partial is ever returned."""
-        source = Path(path)
+        """Read and verify a snapshot file into a host-tier snapshot; nothing partial is ever returned.
+
+        Every failure is a :class:`SnapshotError` naming the file: :class:`SnapshotCorrupt`
+        for contents that are not a whole, unaltered snapshot.
+        """
+        source = _as_path(path, "load a snapshot from")
         try:
-            size = source.stat().st_size
-            fh = source.open("rb")
+            if not stat.S_ISREG(source.stat().st_mode):
+                raise SnapshotError(f"cannot read snapshot file {source}: not a regular file")
+            with source.open("rb") as fh:
+                snapshot = cls._read(fh, source, os.fstat(fh.fileno()).st_size, pool or default_pool())
         except OSError as exc:
-            raise SnapshotError(f"cannot open snapshot file {source}: {exc}") from exc
-        with fh:
-            prefix = fh.read(_PREFIX.size)
-            if len(prefix) < _PREFIX.size:
-                raise SnapshotCorrupt(f"{source}: {size} bytes is too short for a kvrt snapshot header")
-            magic, version, header_len = _PREFIX.unpack(prefix)
-            if magic != MAGIC:
-                raise SnapshotCorrupt(f"{source}: not a kvrt snapshot (magic {magic!r}, expected {MAGIC!r})")
-            if version != VERSION:
-                raise SnapshotCorrupt(f"{source}: snapshot format version {version}, this kvrt reads {VERSION}")
-            header_bytes = fh.read(header_len)
-            try:
-                header = json.loads(header_bytes)
-                nbytes = int(header["nbytes"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise SnapshotCorrupt(f"{source}: unreadable snapshot header ({exc})") from exc
-            expected = _PREFIX.size + header_len + nbytes + _DIGEST
-            if size != expected:
-                raise SnapshotCorrupt(f"{source}: file is {size} bytes, its header promises {expected} "
-                                      f"({nbytes} bytes of state): truncated or extended")
-            digest = hashlib.blake2b(prefix[8:], digest_size=_DIGEST)
-            digest.update(header_bytes)
-            buffer = (pool or default_pool()).acquire(nbytes)
-            try:
-                view = buffer.view
-                for start in range(0, nbytes, _READ_CHUNK):
-                    chunk = view[start:start + _READ_CHUNK]
-                    if fh.readinto(memoryview(chunk)) != chunk.size:
-                        raise SnapshotCorrupt(f"{source}: short read at byte {start} of the state")
-                    digest.update(chunk)
-                if fh.read(_DIGEST) != digest.digest():
-                    raise SnapshotCorrupt(f"{source}: checksum mismatch: the file was altered or damaged")
-                snapshot = cls(tier="host", fingerprint=ModelFingerprint(**header["fingerprint"]),
-                               layout=StateLayout(**header["layout"]), n_tokens=int(header["n_tokens"]),
-                               nbytes=nbytes, tokens_hash=header["tokens_hash"], buffer=buffer)
-            except BaseException:
-                buffer.release()
-                raise
+            raise SnapshotError(f"cannot read snapshot file {source}: {exc.strerror or exc}") from exc
         if expect is not None and (snapshot.fingerprint, snapshot.n_tokens, snapshot.tokens_hash) != (
                 expect.fingerprint, expect.n_tokens, expect.tokens_hash):
             snapshot.release()
             raise SnapshotCorrupt(f"{source}: the file now holds a different snapshot than the one captured")
         return snapshot
+
+    @classmethod
+    def _read(cls, fh: BinaryIO, source: Path, size: int, pool: HostPool) -> Snapshot:
+        """Parse and verify an open snapshot file of ``size`` bytes (sizes checked before anything is read)."""
+        prefix = fh.read(_PREFIX.size)
+        if len(prefix) < _PREFIX.size:
+            raise SnapshotCorrupt(f"{source}: {size} bytes is too short for a kvrt snapshot header")
+        magic, version, header_len = _PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise SnapshotCorrupt(f"{source}: not a kvrt snapshot (magic {magic!r}, expected {MAGIC!r})")
+        if version != VERSION:
+            raise SnapshotCorrupt(f"{source}: snapshot format version {version}, this kvrt reads {VERSION}")
+        if _PREFIX.size + header_len + _DIGEST > size:
+            raise SnapshotCorrupt(f"{source}: header length {header_len} exceeds what the {size}-byte file can "
+                                  "hold: truncated or not a kvrt snapshot")
+        if header_len > MAX_HEADER:
+            raise SnapshotCorrupt(f"{source}: header length {header_len} exceeds the limit of {MAX_HEADER} bytes")
+        header_bytes = fh.read(header_len)
+        header = _parse_header(source, header_bytes)
+        nbytes = header["nbytes"]
+        expected = _PREFIX.size + header_len + nbytes + _DIGEST
+        if size != expected:
+            raise SnapshotCorrupt(f"{source}: file is {size} bytes, its header promises {expected} "
+                                  f"({nbytes} bytes of state): truncated or extended")
+        digest = hashlib.blake2b(prefix[8:], digest_size=_DIGEST)
+        digest.update(header_bytes)
+        try:
+            buffer = pool.acquire(nbytes)
+        except HostPoolError as exc:
+            raise SnapshotError(f"{source}: no host memory for its {nbytes} bytes of state: {exc}") from exc
+        with _released_on_error(buffer):
+            view = buffer.view
+            for start in range(0, nbytes, _READ_CHUNK):
+                chunk = view[start:start + _READ_CHUNK]
+                if fh.readinto(memoryview(chunk)) != chunk.size:
+                    raise SnapshotCorrupt(f"{source}: short read at byte {start} of the state")
+                digest.update(chunk)
+            if fh.read(_DIGEST) != digest.digest():
+                raise SnapshotCorrupt(f"{source}: checksum mismatch: the file was altered or damaged")
+            return cls(tier="host", fingerprint=ModelFingerprint(**header["fingerprint"]),
+                       layout=StateLayout(**header["layout"]), n_tokens=header["n_tokens"], nbytes=nbytes,
+                       tokens_hash=header["tokens_hash"], buffer=buffer)
 
     # -- lifetime -----------------------------------------------------------------------
     @property
@@ -341,21 +367,18 @@ class Snapshot:
 
     @property
     def released(self) -> bool:
-        return self._released
+        return not self._finalizer.alive
 
     def _check_live(self) -> None:
-        if self._released:
+        if self.released:
             raise SnapshotError("this snapshot was released")
 
     def release(self) -> None:
-        """Return the host buffer to its pool (and delete a temporary disk file); idempotent."""
-        if self._released:
-            return
-        self._released = True
-        if self._buffer is not None:
-            self._buffer.release()
-        if self._owns_path and self.path is not None:
-            self.path.unlink(missing_ok=True)
+        """Return the host buffer to its pool and delete a temporary disk file; releasing twice is harmless.
+
+        A snapshot dropped unreleased does the same when it is collected or at interpreter exit.
+        """
+        self._finalizer()
 
     def __enter__(self) -> Snapshot:
         return self
@@ -365,18 +388,107 @@ class Snapshot:
 
     def __repr__(self) -> str:
         return (f"Snapshot({self.tier}, {self.n_tokens} tokens, {self.nbytes} bytes, "
-                f"model {self.fingerprint.description!r}{', released' if self._released else ''})")
+                f"model {self.fingerprint.description!r}{', released' if self.released else ''})")
 
 
-def _shrink(buffer: HostBuffer, written: int) -> HostBuffer:
+def _shrink(buffer: HostBuffer, written: int) -> None:
     """Make the buffer's view exactly the bytes llama.cpp wrote (it may write fewer than it sized)."""
     if written > buffer.nbytes:
         raise SnapshotError(f"llama.cpp wrote {written} bytes into a {buffer.nbytes}-byte buffer")
     buffer.nbytes = written
-    return buffer
 
 
 def _temp_path() -> Path:
-    fd, name = tempfile.mkstemp(prefix="kvrt-snapshot-", suffix=".kvs")
+    """A new empty temporary file for a disk snapshot that owns it."""
+    try:
+        fd, name = tempfile.mkstemp(prefix="kvrt-snapshot-", suffix=".kvs")
+    except OSError as exc:
+        raise SnapshotError(f"cannot create a temporary snapshot file in {tempfile.gettempdir()}: "
+                            f"{exc.strerror or exc}") from exc
     os.close(fd)
     return Path(name)
+
+
+def _give_back(buffer: HostBuffer | None, owned_path: Path | None) -> None:
+    """A snapshot's finalizer: return its buffer and delete the file it owns (never references the snapshot)."""
+    if buffer is not None:
+        buffer.release()
+    if owned_path is not None:
+        try:
+            owned_path.unlink(missing_ok=True)
+        except OSError as exc:
+            raise SnapshotError(f"cannot delete temporary snapshot file {owned_path}: {exc.strerror or exc}") from exc
+
+
+@contextmanager
+def _released_on_error(buffer: HostBuffer) -> Iterator[None]:
+    """Release ``buffer`` if the block raises (it then never reaches a snapshot)."""
+    try:
+        yield
+    except BaseException:
+        buffer.release()
+        raise
+
+
+def _as_path(value: object, doing: str) -> Path:
+    """``value`` as a :class:`Path`, or a :class:`SnapshotError` saying why it is not one."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise SnapshotError(f"cannot {doing} {value!r}: a path must be a str or os.PathLike, "
+                            f"got {type(value).__name__}")
+    try:
+        path = Path(value)
+    except TypeError as exc:  # an os.PathLike whose __fspath__ gives bytes or junk
+        raise SnapshotError(f"cannot {doing} {value!r}: not a usable path ({exc})") from None
+    if "\0" in str(path):
+        raise SnapshotError(f"cannot {doing} {str(path)!r}: a path cannot contain a NUL character")
+    return path
+
+
+def _save_error(target: Path, exc: OSError) -> SnapshotError:
+    """The :class:`SnapshotError` of an ``OSError`` while saving to ``target``."""
+    if isinstance(exc, FileNotFoundError) and not target.parent.is_dir():
+        reason = f"folder {target.parent} does not exist"
+    else:
+        reason = exc.strerror or str(exc)
+    return SnapshotError(f"cannot save snapshot to {target}: {reason}")
+
+
+_HEADER_FIELDS: dict[str, Any] = {"fingerprint": ModelFingerprint, "layout": StateLayout, "n_tokens": int,
+                                  "nbytes": int, "tokens_hash": (str, type(None))}
+
+
+def _parse_header(source: Path, raw: bytes) -> dict[str, Any]:
+    """The header's fields, each of its exact type; :class:`SnapshotCorrupt` naming the first that is not."""
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise SnapshotCorrupt(f"{source}: snapshot header is not UTF-8 (byte {exc.start} of it)") from None
+    except (ValueError, RecursionError) as exc:
+        raise SnapshotCorrupt(f"{source}: snapshot header is not valid JSON ({exc})") from None
+    out = _check_record(source, "header", header, _HEADER_FIELDS)
+    for name, record in (("fingerprint", ModelFingerprint), ("layout", StateLayout)):
+        hints = typing.get_type_hints(record)
+        _check_record(source, name, out[name], {f.name: hints[f.name] for f in fields(record)})
+    for name in ("n_tokens", "nbytes"):
+        if out[name] <= 0:
+            raise SnapshotCorrupt(f"{source}: snapshot header's {name} must be positive, got {out[name]}")
+    return out
+
+
+def _check_record(source: Path, name: str, value: object, types: dict[str, Any]) -> dict[str, Any]:
+    """``value`` as a JSON object with exactly the fields of ``types``, each of its exact type (no bool for int)."""
+    if not isinstance(value, dict):
+        raise SnapshotCorrupt(f"{source}: snapshot {name} must be an object, got {type(value).__name__}")
+    missing = [k for k in types if k not in value]
+    extra = [k for k in value if k not in types]
+    if missing or extra:
+        what = f"missing field {missing[0]!r}" if missing else f"unexpected field {extra[0]!r}"
+        raise SnapshotCorrupt(f"{source}: snapshot {name}: {what} (a damaged file or another format)")
+    for key, kind in types.items():
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if dataclasses.is_dataclass(kind):
+            continue  # a nested record, checked by the caller
+        if type(value[key]) not in kinds:
+            wanted = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+            raise SnapshotCorrupt(f"{source}: snapshot {name}.{key} must be {wanted}, got {type(value[key]).__name__}")
+    return value

@@ -253,3 +253,100 @@ def test_host_pool_pins_on_a_gpu_machine():
     attributes = cupy.cuda.runtime.pointerGetAttributes(buf.view.ctypes.data)
     assert attributes.type == cupy.cuda.runtime.memoryTypeHost
     buf.release()
+
+
+# -- malformed files and unusable paths: SnapshotError naming the path and the reason -------
+def _rewrite_header(path: Path, edit) -> Path:
+    """Rewrite a saved snapshot with ``edit(header)`` applied and the checksum recomputed (still self-consistent)."""
+    import hashlib
+    import json
+    import struct
+
+    from kvrt.snapshot import MAGIC, VERSION
+
+    data = path.read_bytes()
+    prefix = struct.Struct("<8sII")
+    _, _, header_len = prefix.unpack_from(data)
+    header = json.loads(data[prefix.size:prefix.size + header_len])
+    payload = data[prefix.size + header_len:-16]
+    edit(header)
+    body = json.dumps(header).encode()
+    head = prefix.pack(MAGIC, VERSION, len(body))
+    digest = hashlib.blake2b(head[8:] + body + payload, digest_size=16).digest()
+    path.write_bytes(head + body + payload + digest)
+    return path
+
+
+@pytest.mark.parametrize("edit, reason", [
+    (lambda h: h.update(extra=1), "unexpected field 'extra'"),
+    (lambda h: h.pop("n_tokens"), "missing field 'n_tokens'"),
+    (lambda h: h["fingerprint"].update(colour="red"), "fingerprint.*unexpected field 'colour'"),
+    (lambda h: h["layout"].pop("swa_full"), "layout.*missing field 'swa_full'"),
+    (lambda h: h.update(n_tokens="12"), "n_tokens must be int, got str"),
+    (lambda h: h["layout"].update(swa_full=1), "layout.swa_full must be bool, got int"),
+    (lambda h: h.update(fingerprint=[1, 2]), "fingerprint must be an object"),
+], ids=["extra", "missing", "extra-nested", "missing-nested", "str-for-int", "int-for-bool", "list-for-object"])
+def test_a_header_with_wrong_fields_is_refused_naming_the_field(snapshot, tmp_path, edit, reason):
+    path = _rewrite_header(snapshot.save(tmp_path / "doc.kvs"), edit)
+    pool = HostPool(pinned=False)
+    with pytest.raises(SnapshotCorrupt, match=reason) as info:
+        Snapshot.load(path, pool)
+    assert str(path) in str(info.value)
+    assert pool.stats.bytes_in_use == 0
+
+
+def test_a_header_length_past_the_file_is_refused_as_such(snapshot, tmp_path):
+    path = snapshot.save(tmp_path / "doc.kvs")
+    data = bytearray(path.read_bytes())
+    data[12:16] = (0xFFFFFFF0).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(SnapshotCorrupt, match=rf"header length 4294967280 .* {len(data)}-byte file") as info:
+        Snapshot.load(path)
+    assert str(path) in str(info.value) and "codec" not in str(info.value)
+
+
+def test_a_header_length_past_the_limit_is_refused_even_in_a_large_file(snapshot, tmp_path):
+    from kvrt.snapshot import MAX_HEADER
+
+    path = snapshot.save(tmp_path / "doc.kvs")
+    data = bytearray(path.read_bytes())
+    data[12:16] = (MAX_HEADER + 1).to_bytes(4, "little")
+    path.write_bytes(bytes(data) + bytes(MAX_HEADER + 1))
+    with pytest.raises(SnapshotCorrupt, match=rf"header length {MAX_HEADER + 1} exceeds the limit of {MAX_HEADER}"):
+        Snapshot.load(path)
+
+
+def test_save_into_a_missing_folder_names_the_folder(snapshot, tmp_path):
+    target = tmp_path / "nowhere" / "doc.kvs"
+    with pytest.raises(SnapshotError, match=rf"{target}.*folder {target.parent} does not exist"):
+        snapshot.save(target)
+
+
+def test_save_onto_a_directory_and_load_of_a_directory_are_snapshot_errors(snapshot, tmp_path):
+    with pytest.raises(SnapshotError, match=str(tmp_path)):
+        snapshot.save(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # the temporary file was removed
+    with pytest.raises(SnapshotError, match=rf"{tmp_path}.*not a regular file"):
+        Snapshot.load(tmp_path)
+
+
+def test_load_of_a_missing_file_names_it(tmp_path):
+    with pytest.raises(SnapshotError, match=rf"{tmp_path / 'gone.kvs'}.*No such file"):
+        Snapshot.load(tmp_path / "gone.kvs")
+
+
+@pytest.mark.parametrize("bad", [None, 42, b"doc.kvs", "a\0b"], ids=["none", "int", "bytes", "nul"])
+def test_paths_that_are_not_paths_are_refused(snapshot, bad):
+    with pytest.raises(SnapshotError, match="path"):
+        snapshot.save(bad)
+    with pytest.raises(SnapshotError, match="path"):
+        Snapshot.load(bad)
+
+
+def test_disk_capture_into_a_missing_folder_leaves_nothing_behind(tiny_model, doc, tmp_path):
+    pool = HostPool(pinned=False)
+    with Context(tiny_model, n_ctx=256) as ctx:
+        prefill(ctx, doc, logits_last=False)
+        with pytest.raises(SnapshotError, match="does not exist"):
+            Snapshot.capture(ctx, tier="disk", pool=pool, path=tmp_path / "nowhere" / "doc.kvs")
+    assert pool.stats.bytes_in_use == 0
