@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from kvrt.budget import Budget
 from kvrt.errors import ContextError, KvrtError, ModelLoadError
 from kvrt.estimate import EstimateError
 from kvrt.ledger import LedgerDenied
@@ -78,8 +79,9 @@ def check_socket_path(path: str | os.PathLike[str]) -> Path:
 class Handler:
     """Turns parsed commands into reply lines against one scheduler (no sockets here)."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
+    def __init__(self, scheduler: Scheduler, budget: Budget | None = None) -> None:
         self.scheduler = scheduler
+        self.budget = budget
 
     def execute(self, command: Command) -> list[str]:
         try:
@@ -109,7 +111,9 @@ class Handler:
             ok_line(schema=SCHEMA),
             ok_line(ledger_max_bytes=ledger.max_bytes, ledger_allocated_bytes=ledger.allocated_bytes,
                     ledger_free_bytes=ledger.free_bytes, external_bytes=ledger.external_bytes,
-                    admit_percent=self.scheduler.ledger.admit_percent),
+                    admit_percent=self.scheduler.ledger.admit_percent,
+                    ledger_source=self.budget.source if self.budget else None,
+                    ledger_share_percent=self.budget.share_percent if self.budget else None),
             ok_line(nvml_total_bytes=device.total_bytes if device else None,
                     nvml_used_bytes=device.used_bytes if device else None,
                     drift_bytes=ledger.drift_bytes, reconciliations=ledger.reconciliations),
@@ -179,9 +183,10 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 class Daemon:
     """The socket server around a :class:`Handler`; :meth:`start` then :meth:`stop`."""
 
-    def __init__(self, socket_path: str | os.PathLike[str], scheduler: Scheduler) -> None:
+    def __init__(self, socket_path: str | os.PathLike[str], scheduler: Scheduler, *,
+                 budget: Budget | None = None) -> None:
         self.path = check_socket_path(socket_path)
-        self.handler = Handler(scheduler)
+        self.handler = Handler(scheduler, budget)
         self.scheduler = scheduler
         self._connections: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
