@@ -56,3 +56,7 @@ class LibraryError(KvrtError):
 
 class DemoModelMissing(KvrtError):
     """The demo model package is not installed."""
+
+
+class InvalidArgument(KvrtError):
+    """An argument of the wrong type or outside its allowed range; nothing was done."""

@@ -4,9 +4,11 @@ lmxd's rule, kept: admit a request only if ``allocated + request <= max`` where 
 is the admission percent (default 90) of the device's total memory, compared and
 committed under one lock. What kvrt adds:
 
-* reservations are *owned* objects (``model:…``, ``agent:…``, ``pool:…``) released
-  exactly once, so a snapshot says who holds what and a double release is an error
-  instead of silently freeing someone else's bytes;
+* reservations are *owned*, read-only receipts (``model:…``, ``agent:…``, ``pool:…``)
+  released exactly once, so a snapshot says who holds what and a double release is an
+  error instead of silently freeing someone else's bytes; the ledger keeps its own
+  record of each receipt and never reads the books from one, and it refuses a receipt
+  of another ledger;
 * sizes are validated (a bool, a float, a negative or a value past 64 bits is refused
   with the offending value in the message);
 * the ledger re-reads the device (NVML) on a timer and on demand: memory used by other
@@ -20,13 +22,14 @@ above it (registry, scheduler, daemon) behaves the same on a CPU machine.
 from __future__ import annotations
 
 import itertools
-import operator
 import os
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvrt.checks import check_int, check_real, shown
 from kvrt.errors import KvrtError
 
 U64_MAX = 2**64 - 1
@@ -69,17 +72,44 @@ class LedgerDenied(KvrtError):
 
 
 class Reservation:
-    """Bytes held by one owner; hand it back to :meth:`VramLedger.release` exactly once."""
+    """A read-only receipt for bytes held by one owner; hand it back to :meth:`VramLedger.release` once.
 
-    __slots__ = ("id", "owner", "nbytes")
+    ``nbytes`` and ``owner`` show what the issuing ledger holds (after :meth:`~VramLedger.resize`
+    and :meth:`~VramLedger.transfer`) and cannot be assigned. The ledger never reads its
+    books from a receipt: it keeps its own record per receipt, found by the receipt's
+    identity, so nothing a caller writes into one can move the books.
+    """
+
+    __slots__ = ("_id", "_owner", "_nbytes", "__weakref__")
 
     def __init__(self, id: int, owner: str, nbytes: int) -> None:
-        self.id = id
-        self.owner = owner
-        self.nbytes = nbytes
+        self._id = id
+        self._owner = owner
+        self._nbytes = nbytes
+
+    @property
+    def id(self) -> int:
+        return self._id
+
+    @property
+    def owner(self) -> str:
+        return self._owner
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
 
     def __repr__(self) -> str:
-        return f"Reservation(#{self.id} {self.owner}: {self.nbytes} B)"
+        return f"Reservation(#{self._id} {self._owner}: {self._nbytes} B)"
+
+
+@dataclass
+class _Record:
+    """The ledger's own account of one live reservation (the receipt only mirrors it)."""
+
+    id: int
+    owner: str
+    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -137,18 +167,19 @@ class NvmlProbe:
 
 def validate_size(value: object, what: str = "size") -> int:
     """``value`` as a byte count in [0, 2**64); bools, floats, negatives and overflow refused."""
-    if type(value) is int:
-        n = value
-    else:
-        if isinstance(value, (bool, float)):
-            raise LedgerError(f"{what} must be an integer byte count, got {type(value).__name__} {value!r}")
-        try:
-            n = operator.index(value)  # numpy integers and the like
-        except TypeError:
-            raise LedgerError(f"{what} must be an integer byte count, got {type(value).__name__} {value!r}") from None
-    if n < 0 or n > U64_MAX:
-        raise LedgerError(f"{what} {n} is outside [0, 2**64)")
-    return n
+    return check_int(value, what, low=0, high=U64_MAX, noun="an integer byte count", error=LedgerError)
+
+
+def validate_owner(owner: object) -> str:
+    """``owner`` as a non-empty string (it names the holder in snapshots and refusals)."""
+    if not isinstance(owner, str) or not owner:
+        raise LedgerError(f"a reservation's owner must be a non-empty string, got {shown(owner)}")
+    return owner
+
+
+def _validate_interval(every_s: object) -> float:
+    return check_real(every_s, "reconcile interval (s)", low=0.0, high=float(10**9), low_open=True,
+                      error=LedgerError)
 
 
 @dataclass(frozen=True)
@@ -207,8 +238,10 @@ class VramLedger:
         device_index: int = 0,
         reconcile_every_s: float | None = None,
     ) -> None:
-        if isinstance(admit_percent, bool) or not 0 < admit_percent <= 100:
-            raise LedgerError(f"admit_percent must be in (0, 100], got {admit_percent!r}")
+        admit_percent = check_real(admit_percent, "admit_percent", low=0.0, high=100.0, low_open=True,
+                                   error=LedgerError)
+        if reconcile_every_s is not None:
+            _validate_interval(reconcile_every_s)
         if probe is None and capacity_bytes is None:
             if not NvmlProbe.available():
                 raise LedgerError("no GPU visible through NVML: give the ledger a capacity_bytes budget")
@@ -217,10 +250,11 @@ class VramLedger:
         self._probe = probe
         self._device: DeviceMemory | None = None
         self._reconciliations = 0
-        self._reservations: dict[int, Reservation] = {}
+        self._records: dict[Reservation, _Record] = {}  # keyed by receipt identity (no __eq__/__hash__ override)
         self._allocated = 0
         self._ids = itertools.count(1)
-        self.admit_percent = float(admit_percent)
+        self._issued: weakref.WeakSet[Reservation] = weakref.WeakSet()  # every receipt issued and still referenced
+        self.admit_percent = admit_percent
         if capacity_bytes is not None:
             self._max = validate_size(capacity_bytes, "capacity_bytes")
         else:
@@ -246,26 +280,38 @@ class VramLedger:
     def try_reserve(self, nbytes: int, owner: str) -> Reservation:
         """Reserve ``nbytes`` for ``owner`` or raise :class:`LedgerDenied` (nothing changes)."""
         n = nbytes if type(nbytes) is int and 0 <= nbytes <= U64_MAX else validate_size(nbytes, "request")
+        validate_owner(owner)
         with self._lock:
             projected = self._allocated + self._external + n
             if projected > self._max:
                 raise LedgerDenied(owner=owner, max_bytes=self._max, allocated_bytes=self._allocated,
                                    request_bytes=n, external_bytes=self._external)
+            record = _Record(next(self._ids), owner, n)
+            reservation = Reservation(record.id, owner, n)
+            self._records[reservation] = record
+            self._issued.add(reservation)
             self._allocated += n
-            reservation = Reservation(next(self._ids), owner, n)
-            self._reservations[reservation.id] = reservation
             return reservation
 
+    def _record(self, reservation: object) -> _Record:
+        """The live record of ``reservation`` (lock held), or a :class:`LedgerError` saying why there is none."""
+        if not isinstance(reservation, Reservation):
+            raise LedgerError(f"expected a Reservation, got {shown(reservation)}")
+        record = self._records.get(reservation)
+        if record is not None:
+            return record
+        if reservation in self._issued:
+            raise LedgerError(f"{reservation!r} was already released")
+        raise LedgerError(f"{reservation!r} was not issued by this ledger (it belongs to another ledger or was "
+                          "built by hand)")
+
     def release(self, reservation: Reservation) -> int:
-        """Give back exactly what ``reservation`` holds; returns the bytes released."""
+        """Give back exactly what the ledger recorded for ``reservation``; returns the bytes released."""
         with self._lock:
-            held = self._reservations.pop(reservation.id, None)
-            if held is not reservation:
-                if held is not None:  # an id match that is not this object: put it back
-                    self._reservations[held.id] = held
-                raise LedgerError(f"{reservation!r} is not held by this ledger (unknown or already released)")
-            self._allocated -= reservation.nbytes
-            return reservation.nbytes
+            record = self._record(reservation)
+            del self._records[reservation]
+            self._allocated -= record.nbytes
+            return record.nbytes
 
     def resize(self, reservation: Reservation, nbytes: int) -> None:
         """Correct a live reservation to ``nbytes`` (e.g. what loading really took).
@@ -275,21 +321,20 @@ class VramLedger:
         """
         n = validate_size(nbytes, "resize")
         with self._lock:
-            if self._reservations.get(reservation.id) is not reservation:
-                raise LedgerError(f"{reservation!r} is not held by this ledger (unknown or already released)")
-            grow = n - reservation.nbytes
+            record = self._record(reservation)
+            grow = n - record.nbytes
             if grow > 0 and self._allocated + self._external + grow > self._max:
-                raise LedgerDenied(owner=reservation.owner, max_bytes=self._max, allocated_bytes=self._allocated,
+                raise LedgerDenied(owner=record.owner, max_bytes=self._max, allocated_bytes=self._allocated,
                                    request_bytes=grow, external_bytes=self._external)
             self._allocated += grow
-            reservation.nbytes = n
+            record.nbytes = reservation._nbytes = n
 
     def transfer(self, reservation: Reservation, owner: str) -> None:
         """Hand a live reservation to another owner (bytes unchanged, no window to lose them)."""
+        validate_owner(owner)
         with self._lock:
-            if self._reservations.get(reservation.id) is not reservation:
-                raise LedgerError(f"{reservation!r} is not held by this ledger (unknown or already released)")
-            reservation.owner = owner
+            record = self._record(reservation)
+            record.owner = reservation._owner = owner
 
     def fits(self, nbytes: int) -> bool:
         """Whether ``nbytes`` would be admitted now (advice only: use try_reserve to commit)."""
@@ -299,7 +344,7 @@ class VramLedger:
 
     def snapshot(self) -> LedgerSnapshot:
         with self._lock:
-            held = tuple((r.id, r.owner, r.nbytes) for r in self._reservations.values())
+            held = tuple((r.id, r.owner, r.nbytes) for r in self._records.values())
             return LedgerSnapshot(self._max, self._allocated, held, self._device, self._reconciliations)
 
     # -- reconciliation with the device ------------------------------------------------
@@ -315,8 +360,7 @@ class VramLedger:
 
     def start_reconciling(self, every_s: float, on_error: Callable[[Exception], None] | None = None) -> None:
         """Reconcile every ``every_s`` seconds on a daemon thread until :meth:`close`."""
-        if every_s <= 0:
-            raise LedgerError(f"reconcile interval must be positive, got {every_s!r} s")
+        every_s = _validate_interval(every_s)
         if self._probe is None or self._timer is not None:
             return
 
@@ -338,4 +382,4 @@ class VramLedger:
             self._timer = None
 
     def __repr__(self) -> str:
-        return f"VramLedger(max={self._max} B, allocated={self._allocated} B, {len(self._reservations)} reservations)"
+        return f"VramLedger(max={self._max} B, allocated={self._allocated} B, {len(self._records)} reservations)"

@@ -14,8 +14,18 @@ from kvrt.ledger import DeviceMemory, LedgerDenied, LedgerError, Reservation, Vr
 CAP = 1_000_000
 
 
+OWNERS = st.sampled_from(["model:a", "agent:x", "pool"])
+JUNK = st.one_of(st.none(), st.booleans(), st.floats(), st.text(max_size=5), st.integers(-(2**70), 2**70),
+                 st.binary(max_size=5), st.lists(st.integers(), max_size=2))
+
+
 class LedgerMachine(RuleBasedStateMachine):
-    """Random reserve/release/resize sequences against a plain model of the books."""
+    """Random reserve/resize/transfer/release sequences, hostile receipts included, against a plain model.
+
+    Invariants: allocated == the sum of the live reservations' recorded sizes (the
+    model's and the snapshot's), within [0, cap]; every refusal leaves the snapshot as
+    it was.
+    """
 
     reservations = Bundle("reservations")
     released = Bundle("released")
@@ -23,62 +33,104 @@ class LedgerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.ledger = VramLedger(CAP)
-        self.live: dict[int, int] = {}
+        self.other = VramLedger(CAP)
+        self.live: dict[Reservation, tuple[str, int]] = {}  # keyed by identity, like the ledger
 
-    @rule(target=reservations, nbytes=st.integers(0, CAP // 3), owner=st.sampled_from(["model:a", "agent:x", "pool"]))
-    def reserve(self, nbytes: int, owner: str):
+    def refused(self, call, error=LedgerError, match: str | None = None):
+        """Run ``call``, expecting ``error``; the books must not move."""
         before = self.ledger.snapshot()
-        fits = sum(self.live.values()) + nbytes <= CAP
-        try:
-            reservation = self.ledger.try_reserve(nbytes, owner)
-        except LedgerDenied as exc:
-            assert not fits
-            assert (exc.max_bytes, exc.allocated_bytes, exc.request_bytes) == (CAP, sum(self.live.values()), nbytes)
-            assert self.ledger.snapshot() == before  # a refusal changes nothing
+        with pytest.raises(error, match=match):
+            call()
+        assert self.ledger.snapshot() == before
+
+    @rule(target=reservations, nbytes=st.integers(0, CAP // 3), owner=OWNERS)
+    def reserve(self, nbytes: int, owner: str):
+        fits = self.allocated + nbytes <= CAP
+        if not fits:
+            self.refused(lambda: self.ledger.try_reserve(nbytes, owner), LedgerDenied)
             return None
-        assert fits
-        self.live[reservation.id] = nbytes
+        reservation = self.ledger.try_reserve(nbytes, owner)
+        assert (reservation.owner, reservation.nbytes) == (owner, nbytes)
+        self.live[reservation] = (owner, nbytes)
         return reservation
 
     @rule(reservation=consumes(reservations), target=released)
     def release(self, reservation: Reservation | None):
         if reservation is None:
             return None
-        assert self.ledger.release(reservation) == self.live.pop(reservation.id)
+        assert self.ledger.release(reservation) == self.live.pop(reservation)[1]
         return reservation
 
     @rule(reservation=released)
     def release_again_is_refused(self, reservation: Reservation | None):
-        if reservation is None:
-            return
-        before = self.ledger.snapshot()
-        with pytest.raises(LedgerError, match="not held"):
-            self.ledger.release(reservation)
-        assert self.ledger.snapshot() == before
+        if reservation is not None:
+            self.refused(lambda: self.ledger.release(reservation), match="already released")
 
     @rule(reservation=reservations, nbytes=st.integers(0, CAP // 2))
     def resize(self, reservation: Reservation | None, nbytes: int):
-        if reservation is None or reservation.id not in self.live:
+        if reservation is None:
             return
-        grow = nbytes - self.live[reservation.id]
-        fits = sum(self.live.values()) + grow <= CAP
-        try:
-            self.ledger.resize(reservation, nbytes)
-        except LedgerDenied:
-            assert grow > 0 and not fits
+        owner, held = self.live[reservation]
+        if self.allocated + nbytes - held > CAP:
+            self.refused(lambda: self.ledger.resize(reservation, nbytes), LedgerDenied)
             return
-        assert grow <= 0 or fits
-        self.live[reservation.id] = nbytes
+        self.ledger.resize(reservation, nbytes)
+        self.live[reservation] = (owner, nbytes)
 
-    @rule()
-    def release_unknown_is_refused(self):
-        with pytest.raises(LedgerError):
-            self.ledger.release(Reservation(10**9, "stranger", 1))
+    @rule(reservation=reservations, owner=OWNERS)
+    def transfer(self, reservation: Reservation | None, owner: str):
+        if reservation is None:
+            return
+        self.ledger.transfer(reservation, owner)
+        self.live[reservation] = (owner, self.live[reservation][1])
+
+    @rule(reservation=reservations, name=st.sampled_from(["nbytes", "owner", "id"]), value=JUNK)
+    def assigning_a_field_is_refused(self, reservation: Reservation | None, name: str, value: object):
+        if reservation is not None:
+            self.refused(lambda: setattr(reservation, name, value), AttributeError)
+
+    @rule(reservation=reservations, slot=st.sampled_from([s for s in Reservation.__slots__ if not s.startswith("__")]), value=JUNK)
+    def writing_a_private_field_moves_nothing(self, reservation: Reservation | None, slot: str, value: object):
+        if reservation is None:
+            return
+        before = self.ledger.snapshot()
+        object.__setattr__(reservation, slot, value)
+        assert self.ledger.snapshot() == before
+
+    @rule(nbytes=JUNK, owner=st.one_of(OWNERS, JUNK))
+    def invalid_requests_are_refused(self, nbytes: object, owner: object):
+        if type(nbytes) is int and 0 <= nbytes <= 2**64 - 1 and isinstance(owner, str) and owner:
+            return
+        self.refused(lambda: self.ledger.try_reserve(nbytes, owner))  # type: ignore[arg-type]
+
+    @rule(reservation=reservations, value=JUNK)
+    def invalid_resizes_and_transfers_are_refused(self, reservation: Reservation | None, value: object):
+        if reservation is None:
+            return
+        if not (type(value) is int and 0 <= value <= 2**64 - 1):
+            self.refused(lambda: self.ledger.resize(reservation, value))  # type: ignore[arg-type]
+        if not (isinstance(value, str) and value):
+            self.refused(lambda: self.ledger.transfer(reservation, value))  # type: ignore[arg-type]
+
+    @rule(nbytes=st.integers(0, 10))
+    def foreign_and_forged_receipts_are_refused(self, nbytes: int):
+        foreign = self.other.try_reserve(nbytes, "stranger")
+        forged = Reservation(foreign.id, "stranger", nbytes)
+        for receipt, why in ((foreign, "another ledger"), (forged, "built by hand"), (nbytes, "expected a Reservation")):
+            self.refused(lambda: self.ledger.release(receipt), match=why)  # type: ignore[arg-type]
+            self.refused(lambda: self.ledger.resize(receipt, 0), match=why)  # type: ignore[arg-type]
+            self.refused(lambda: self.ledger.transfer(receipt, "x"), match=why)  # type: ignore[arg-type]
+        self.other.release(foreign)
+
+    @property
+    def allocated(self) -> int:
+        return sum(n for _, n in self.live.values())
 
     @invariant()
     def books_balance(self):
         snap = self.ledger.snapshot()
-        assert snap.allocated_bytes == sum(self.live.values()) == sum(n for _, _, n in snap.reservations)
+        assert snap.allocated_bytes == self.allocated == sum(n for _, _, n in snap.reservations)
+        assert sorted((o, n) for _, o, n in snap.reservations) == sorted(self.live.values())
         assert 0 <= snap.allocated_bytes <= snap.max_bytes
 
 
@@ -228,3 +280,72 @@ def test_no_gpu_needs_a_configured_capacity():
         pytest.skip("NVML sees a GPU here")
     with pytest.raises(LedgerError, match="capacity_bytes"):
         VramLedger()
+
+
+# -- reservations are the ledger's record, not the caller's ---------------------------------
+def test_a_reservation_cannot_be_resized_or_reassigned_by_its_holder():
+    ledger = VramLedger(1000)
+    held = ledger.try_reserve(100, "agent:a")
+    for name, value in (("nbytes", 10**6), ("owner", "agent:b"), ("id", 99)):
+        with pytest.raises(AttributeError):
+            setattr(held, name, value)
+    assert (held.nbytes, held.owner) == (100, "agent:a")
+    assert ledger.release(held) == 100
+    assert ledger.allocated_bytes == 0
+    with pytest.raises(LedgerDenied):
+        ledger.try_reserve(900_000, "agent:c")  # the cap still holds
+
+
+def test_the_ledger_uses_only_its_own_record_of_a_reservation():
+    """Even a caller that writes the private fields cannot move the books."""
+    ledger = VramLedger(1000)
+    held = ledger.try_reserve(100, "agent:a")
+    for slot in Reservation.__slots__:
+        if not slot.startswith("__"):
+            object.__setattr__(held, slot, 10**6 if slot.endswith("nbytes") else getattr(held, slot))
+    ledger.resize(held, 150)
+    assert ledger.release(held) == 150 and ledger.allocated_bytes == 0
+
+
+def test_resize_and_transfer_show_through_the_reading_api():
+    ledger = VramLedger(1000)
+    held = ledger.try_reserve(100, "agent:a")
+    ledger.resize(held, 300)
+    ledger.transfer(held, "agent:b")
+    assert (held.nbytes, held.owner) == (300, "agent:b")
+    assert ledger.snapshot().reservations == ((held.id, "agent:b", 300),)
+
+
+def test_a_reservation_of_another_ledger_or_released_twice_is_refused_clearly():
+    mine, theirs = VramLedger(1000), VramLedger(1000)
+    foreign = theirs.try_reserve(10, "agent:x")
+    held = mine.try_reserve(10, "agent:y")  # the same id as ``foreign`` in a fresh ledger
+    assert held.id == foreign.id
+    for call in (mine.release, lambda r: mine.resize(r, 5), lambda r: mine.transfer(r, "z")):
+        with pytest.raises(LedgerError, match="belongs to another ledger"):
+            call(foreign)
+    mine.release(held)
+    with pytest.raises(LedgerError, match="already released"):
+        mine.release(held)
+    with pytest.raises(LedgerError, match="expected a Reservation, got int"):
+        mine.release(3)  # type: ignore[arg-type]
+    assert (mine.allocated_bytes, theirs.allocated_bytes) == (0, 10)
+
+
+@pytest.mark.parametrize("owner", ["", None, 7, b"agent"])
+def test_an_owner_must_be_a_non_empty_string(owner):
+    ledger = VramLedger(1000)
+    with pytest.raises(LedgerError, match="owner"):
+        ledger.try_reserve(1, owner)  # type: ignore[arg-type]
+    held = ledger.try_reserve(1, "agent:a")
+    with pytest.raises(LedgerError, match="owner"):
+        ledger.transfer(held, owner)  # type: ignore[arg-type]
+    assert ledger.snapshot().reservations == ((held.id, "agent:a", 1),)
+
+
+@pytest.mark.parametrize("kwargs", [{"admit_percent": "90"}, {"admit_percent": float("nan")},
+                                    {"reconcile_every_s": "1"}, {"reconcile_every_s": float("nan")},
+                                    {"reconcile_every_s": float("inf")}, {"reconcile_every_s": True}])
+def test_bad_ledger_settings_are_ledger_errors(kwargs):
+    with pytest.raises(LedgerError):
+        VramLedger(probe=FakeProbe(1000), **kwargs)
