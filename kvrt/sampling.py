@@ -1,13 +1,19 @@
-"""Sampler chains: greedy, or temperature with top-k / top-p / min-p and a seed."""
+"""Sampler chains: greedy, or temperature with top-k / top-p / min-p and a seed; optionally a GBNF
+grammar and repetition / frequency / presence penalties in front."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from kvrt.bindings import ffi, lib
+from kvrt.bindings import capture, explain, ffi, lib
 from kvrt.context import Context
-from kvrt.errors import DecodeError, KvrtError
+from kvrt.errors import DecodeError, KvrtError, LlamaError
 from kvrt._handle import NativeHandle, OwnsHandle
+
+if TYPE_CHECKING:
+    from kvrt.model import Model
 
 
 @dataclass(frozen=True)
@@ -19,8 +25,14 @@ class SamplingParams:
     top_p: float = 0.95
     min_p: float = 0.05
     seed: int = 0
+    repeat_penalty: float = 1.0  # llama.cpp's repetition penalty over the last ``penalty_last_n`` tokens (1: off)
+    frequency_penalty: float = 0.0  # subtracted once per earlier occurrence (OpenAI's meaning; 0: off)
+    presence_penalty: float = 0.0  # subtracted once if the token occurred at all (0: off)
+    penalty_last_n: int = 64  # how many of the latest generated tokens the penalties look at
+    grammar: str | None = None  # GBNF text (root rule ``root``) the output must match
 
     def __post_init__(self) -> None:
+        self._check_constraints()
         if self.top_k < 0:
             raise KvrtError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
@@ -34,17 +46,44 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """True when any penalty is active (a llama.cpp penalties stage goes into the chain)."""
+        active = self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        return active and self.penalty_last_n > 0
+
+    def _check_constraints(self) -> None:
+        """Penalties and grammar: what llama.cpp would misbehave on, refused here."""
+        if not (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0.0):
+            raise KvrtError(f"repeat_penalty must be a finite number > 0 (1: off), got {self.repeat_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise KvrtError(f"{name} must be finite, got {getattr(self, name)}")
+        if isinstance(self.penalty_last_n, bool) or not isinstance(self.penalty_last_n, int) or self.penalty_last_n < 0:
+            raise KvrtError(f"penalty_last_n must be an integer >= 0, got {self.penalty_last_n!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()
+                                         or "\x00" in self.grammar):
+            raise KvrtError("grammar must be non-empty GBNF text without NUL characters")
+
 
 class Sampler(OwnsHandle):
-    """A llama.cpp sampler chain built from :class:`SamplingParams` (one per sequence)."""
+    """A llama.cpp sampler chain built from :class:`SamplingParams` (one per sequence).
 
-    def __init__(self, params: SamplingParams | None = None) -> None:
+    A grammar or penalties need the vocabulary: pass ``model``. The chain is grammar,
+    penalties, then greedy or top-k / top-p / min-p / temperature / seeded draw.
+    """
+
+    def __init__(self, params: SamplingParams | None = None, *, model: Model | None = None) -> None:
         self.params = params or SamplingParams()
+        if model is None and (self.params.grammar is not None or self.params.penalized):
+            raise KvrtError("a grammar or penalties need the model's vocabulary: Sampler(params, model=model)")
         chain = lib().llama_sampler_chain_init(lib().llama_sampler_chain_default_params())
         if chain == ffi.NULL:
             raise KvrtError("llama_sampler_chain_init returned NULL")
         self._handle = NativeHandle(chain, lib().llama_sampler_free, "sampler")
         p = self.params
+        if model is not None:
+            self._add_constraints(chain, model)
         if p.greedy:
             stages = [lib().llama_sampler_init_greedy()]
         else:
@@ -59,6 +98,22 @@ class Sampler(OwnsHandle):
             if stage == ffi.NULL:
                 raise KvrtError(f"llama.cpp could not create a sampler stage for {p}")
             lib().llama_sampler_chain_add(chain, stage)  # the chain now owns the stage
+
+    def _add_constraints(self, chain: Any, model: Model) -> None:
+        """Grammar and penalty stages, each owned by the chain as soon as it exists."""
+        p = self.params
+        if p.grammar is not None:
+            with capture() as lines:
+                stage = lib().llama_sampler_init_grammar(model.vocab, p.grammar.encode(), b"root")
+            if stage == ffi.NULL:
+                raise LlamaError("llama_sampler_init_grammar", explain(lines, "llama.cpp could not parse the grammar"))
+            lib().llama_sampler_chain_add(chain, stage)
+        if p.penalized:
+            stage = lib().llama_sampler_init_penalties(model.n_vocab, p.penalty_last_n, p.repeat_penalty,
+                                                       p.frequency_penalty, p.presence_penalty)
+            if stage == ffi.NULL:
+                raise LlamaError("llama_sampler_init_penalties", f"returned NULL for {p}")
+            lib().llama_sampler_chain_add(chain, stage)
 
     def sample(self, ctx: Context, row: int) -> int:
         """Pick the next token from the logits of batch row ``row`` and accept it."""
