@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from kvrt.model import Model
 
 _SHOWN = 60
+INT32_MAX = 2**31 - 1  # llama.cpp's positions, token counts and most sizes are int32
 
 
 def shown(value: object) -> str:
@@ -49,7 +50,7 @@ def check_int(value: object, what: str, *, low: int | None = None, high: int | N
     return n
 
 
-def check_real(value: object, what: str, *, low: float, high: float, low_open: bool = False,
+def check_real(value: object, what: str, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False,
                high_open: bool = False, error: type[KvrtError] = InvalidArgument) -> float:
     """``value`` as a finite ``float`` in the interval from ``low`` to ``high`` (``*_open``: that end excluded).
 
@@ -101,8 +102,11 @@ def check_tokens(value: object, what: str, n_vocab: int, *, error: type[KvrtErro
 
 def prompt_tokens(model: Model, prompt: object, what: str, *, add_special: bool,
                   error: type[KvrtError] = InvalidArgument) -> list[int]:
-    """The token ids of ``prompt``: text (tokenized, BOS per ``add_special``) or token ids; never empty."""
-    if isinstance(prompt, str):
+    """The token ids of ``prompt``: text (tokenized, BOS per ``add_special``) or token ids; never empty.
+
+    Bytes are refused as text (they are not token ids, though they iterate as ints).
+    """
+    if isinstance(prompt, (str, bytes, bytearray, memoryview)):
         tokens = model.tokenize(check_text(prompt, what, error=error), add_special=add_special)
         if not tokens:
             raise error(f"{what} {shown(prompt)} has no tokens")

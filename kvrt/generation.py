@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from kvrt.batch import Batch
 from kvrt.context import Context
-from kvrt.errors import KvrtError
+from kvrt.checks import INT32_MAX, check_int, check_text, prompt_tokens, shown
+from kvrt.errors import InvalidArgument, KvrtError
 from kvrt.model import Model
 from kvrt.sampling import Sampler, SamplingParams
 
@@ -20,17 +21,23 @@ ProgressFn = Callable[[int, int], None]
 
 @dataclass(frozen=True)
 class GenerationParams:
-    """When a sequence stops: ``max_tokens`` generated, an end-of-generation token, or a stop string."""
+    """When a sequence stops: ``max_tokens`` generated, an end-of-generation token, or a stop string.
+
+    Checked on construction: ``max_tokens`` an int in [1, 2**31 - 1], ``stop`` a tuple
+    (a list is converted) of non-empty strings, ``sampling`` a :class:`SamplingParams`.
+    """
 
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
     def __post_init__(self) -> None:
-        if self.max_tokens <= 0:
-            raise KvrtError(f"max_tokens must be positive, got {self.max_tokens}")
-        if any(not s for s in self.stop):
-            raise KvrtError("stop strings must be non-empty")
+        object.__setattr__(self, "max_tokens", check_int(self.max_tokens, "max_tokens", low=1, high=INT32_MAX))
+        if not isinstance(self.stop, (tuple, list)):
+            raise InvalidArgument(f"stop must be a tuple of strings, got {shown(self.stop)}")
+        object.__setattr__(self, "stop", tuple(check_text(s, f"stop[{i}]") for i, s in enumerate(self.stop)))
+        if not isinstance(self.sampling, SamplingParams):
+            raise InvalidArgument(f"sampling must be a SamplingParams, got {shown(self.sampling)}")
 
 
 @dataclass
@@ -151,10 +158,11 @@ def generate(
     The last sampled token is returned but not decoded into the KV cache (nothing needs
     its logits yet): a caller continuing the conversation feeds it with the next prompt.
     """
-    params = params or GenerationParams()
+    params = GenerationParams() if params is None else params
+    if not isinstance(params, GenerationParams):
+        raise InvalidArgument(f"params must be a GenerationParams, got {shown(params)}")
     model = ctx.model
-    add_bos = ctx.seq_len(seq_id) == 0
-    tokens = model.tokenize(prompt, add_special=add_bos) if isinstance(prompt, str) else list(prompt)
+    tokens = prompt_tokens(model, prompt, "prompt", add_special=ctx.seq_len(seq_id) == 0)
     needed = ctx.seq_len(seq_id) + len(tokens) + params.max_tokens
     if needed > ctx.n_ctx_seq:
         raise KvrtError(f"prompt ({len(tokens)} tokens) + held ({ctx.seq_len(seq_id)}) + max_tokens "

@@ -13,14 +13,15 @@ only when pinning is asked for or detected, never on a CPU-only path.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections import deque
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from kvrt.checks import check_int
 from kvrt.errors import KvrtError
 from kvrt.gpu import cupy_usable, nvidia_gpu_count
 
@@ -34,6 +35,7 @@ class HostPoolError(KvrtError):
 
 def size_class(nbytes: int) -> int:
     """The capacity a request of ``nbytes`` is served with (page multiple, <= 12.5% slack)."""
+    nbytes = check_int(nbytes, "a host buffer's size", noun="an integer byte count", error=HostPoolError)
     if nbytes <= 0:
         raise HostPoolError(f"a host buffer needs a positive size, got {nbytes} bytes")
     pages = -(-nbytes // PAGE)
@@ -41,6 +43,10 @@ def size_class(nbytes: int) -> int:
         return pages * PAGE
     step = 1 << (pages.bit_length() - 1 - 3)  # an eighth of the octave
     return -(-pages // step) * step * PAGE
+
+
+def _optional_size(value: object, what: str) -> int | None:
+    return None if value is None else check_int(value, what, low=0, noun="an integer byte count", error=HostPoolError)
 
 
 _pageable_warned = threading.Event()
@@ -155,8 +161,8 @@ class HostPool:
         if pinned is None and not available:
             _warn_pageable_on_gpu_machine()
         self.pinned = bool(available)
-        self.max_cached_bytes = max_cached_bytes
-        self.max_bytes = max_bytes
+        self.max_cached_bytes = _optional_size(max_cached_bytes, "max_cached_bytes")
+        self.max_bytes = _optional_size(max_bytes, "max_bytes")
         self._free: dict[int, list[_Block]] = {}
         self._returned: deque[_Block] = deque()  # released blocks not yet back in the books (see HostBuffer)
         self._lock = threading.Lock()

@@ -3,13 +3,13 @@ grammar and repetition / frequency / presence penalties in front."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvrt.bindings import capture, explain, ffi, lib
+from kvrt.checks import INT32_MAX, check_int, check_real, check_text
 from kvrt.context import Context
-from kvrt.errors import DecodeError, KvrtError, LlamaError
+from kvrt.errors import DecodeError, InvalidArgument, KvrtError, LlamaError
 from kvrt._handle import NativeHandle, OwnsHandle
 
 if TYPE_CHECKING:
@@ -18,7 +18,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How the next token is chosen; ``temperature <= 0`` means greedy (argmax)."""
+    """How the next token is chosen; ``temperature`` 0 means greedy (argmax).
+
+    Every value is checked and normalised on construction (plain ``int``/``float``), so
+    a chain is never built from a NaN, an infinity, a bool or a negative temperature.
+    """
 
     temperature: float = 0.0
     top_k: int = 40
@@ -32,19 +36,24 @@ class SamplingParams:
     grammar: str | None = None  # GBNF text (root rule ``root``) the output must match
 
     def __post_init__(self) -> None:
-        self._check_constraints()
-        if self.top_k < 0:
-            raise KvrtError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise KvrtError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p < 1.0:
-            raise KvrtError(f"min_p must be in [0, 1), got {self.min_p}")
-        if not 0 <= self.seed < 2**32:
-            raise KvrtError(f"seed must fit in 32 bits, got {self.seed}")
+        checked: dict[str, object] = {
+            "temperature": check_real(self.temperature, "temperature", low=0.0),
+            "top_k": check_int(self.top_k, "top_k", low=0, high=INT32_MAX),
+            "top_p": check_real(self.top_p, "top_p", low=0.0, high=1.0, low_open=True),
+            "min_p": check_real(self.min_p, "min_p", low=0.0, high=1.0, high_open=True),
+            "seed": check_int(self.seed, "seed", low=0, high=2**32 - 1),
+            "repeat_penalty": check_real(self.repeat_penalty, "repeat_penalty (1: off)", low=0.0, low_open=True),
+            "frequency_penalty": check_real(self.frequency_penalty, "frequency_penalty"),
+            "presence_penalty": check_real(self.presence_penalty, "presence_penalty"),
+            "penalty_last_n": check_int(self.penalty_last_n, "penalty_last_n", low=0, high=INT32_MAX),
+            "grammar": None if self.grammar is None else _check_grammar(self.grammar),
+        }
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature == 0.0
 
     @property
     def penalized(self) -> bool:
@@ -52,18 +61,13 @@ class SamplingParams:
         active = self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
         return active and self.penalty_last_n > 0
 
-    def _check_constraints(self) -> None:
-        """Penalties and grammar: what llama.cpp would misbehave on, refused here."""
-        if not (math.isfinite(self.repeat_penalty) and self.repeat_penalty > 0.0):
-            raise KvrtError(f"repeat_penalty must be a finite number > 0 (1: off), got {self.repeat_penalty}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not math.isfinite(getattr(self, name)):
-                raise KvrtError(f"{name} must be finite, got {getattr(self, name)}")
-        if isinstance(self.penalty_last_n, bool) or not isinstance(self.penalty_last_n, int) or self.penalty_last_n < 0:
-            raise KvrtError(f"penalty_last_n must be an integer >= 0, got {self.penalty_last_n!r}")
-        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar.strip()
-                                         or "\x00" in self.grammar):
-            raise KvrtError("grammar must be non-empty GBNF text without NUL characters")
+
+def _check_grammar(grammar: object) -> str:
+    """GBNF text llama.cpp can be handed: non-blank, UTF-8, no NUL (its parser reads a C string)."""
+    text = check_text(grammar, "grammar")
+    if not text.strip() or "\x00" in text:
+        raise InvalidArgument("grammar must be non-empty GBNF text without NUL characters")
+    return text
 
 
 class Sampler(OwnsHandle):

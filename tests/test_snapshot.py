@@ -350,3 +350,13 @@ def test_disk_capture_into_a_missing_folder_leaves_nothing_behind(tiny_model, do
         with pytest.raises(SnapshotError, match="does not exist"):
             Snapshot.capture(ctx, tier="disk", pool=pool, path=tmp_path / "nowhere" / "doc.kvs")
     assert pool.stats.bytes_in_use == 0
+
+
+@pytest.mark.parametrize("bad", [2.5, "4096", None, True], ids=repr)
+def test_host_pool_sizes_must_be_integer_byte_counts(bad):
+    pool = HostPool(pinned=False)
+    with pytest.raises(HostPoolError, match="integer byte count"):
+        pool.acquire(bad)
+    with pytest.raises(HostPoolError, match="max_bytes"):
+        HostPool(pinned=False, max_bytes=bad if bad is not None else -1)
+    assert pool.stats.bytes_in_use == 0
