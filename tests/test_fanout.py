@@ -281,7 +281,7 @@ def test_bench_fanout_writes_the_seed_artifacts(tiny_model_path, tmp_path, capsy
     from kvrt.cli import main
 
     code = main(["bench", "fanout", "--model", str(tiny_model_path), "--out", str(tmp_path), "--doc-tokens", "200",
-                 "--trials", "2", "--max-tokens", "3", "--sweep-n", "1,3", "--sweep-docs", "64,200"])
+                 "--trials", "3", "--max-tokens", "3", "--sweep-n", "1,3", "--sweep-docs", "64,200"])
     assert code == 0
     out = tmp_path / "fanout"
     best = json.loads((out / "best_run.json").read_text())["best"]
