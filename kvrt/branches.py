@@ -62,6 +62,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from kvrt.batch import Batch
+from kvrt.checks import INT32_MAX, check_int, check_text, prompt_tokens, shown
 from kvrt.context import Context, ContextParams
 from kvrt.contextpool import ContextPool
 from kvrt.errors import KvrtError
@@ -72,10 +73,11 @@ from kvrt.sampling import Sampler
 from kvrt.snapshot import Snapshot
 
 Mode = Literal["auto", "isolated", "shared"]
+MODES: tuple[str, ...] = get_args(Mode)
 Fork = Literal["during_prefill", "after_prefill"]
 FORKS: tuple[str, ...] = get_args(Fork)
 CELL_ALIGN = 256
-LLAMA_MAX_SEQ = 256
+LLAMA_MAX_SEQ = 256  # llama.cpp's limit on the sequences of one context
 
 
 class FanoutError(KvrtError):
@@ -84,11 +86,22 @@ class FanoutError(KvrtError):
 
 @dataclass(frozen=True)
 class Branch:
-    """One continuation of the shared document: a prompt and how to generate after it."""
+    """One continuation of the shared document: a prompt and how to generate after it.
+
+    Checked on construction: ``prompt`` non-empty text UTF-8 can encode, ``params`` a
+    :class:`GenerationParams`, ``name`` a string.
+    """
 
     prompt: str
     params: GenerationParams = field(default_factory=GenerationParams)
     name: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise FanoutError(f"a branch's name must be a str, got {shown(self.name)}")
+        check_text(self.prompt, f"branch {self.name!r} prompt" if self.name else "branch prompt", error=FanoutError)
+        if not isinstance(self.params, GenerationParams):
+            raise FanoutError(f"branch params must be a GenerationParams, got {shown(self.params)}")
 
 
 @dataclass
@@ -285,28 +298,67 @@ def run_isolated(snapshot: Snapshot, branch: Branch, pool: ContextPool, *, promp
     return result
 
 
-def _choose_mode(mode: Mode, n: int, shared_cells: int, limit: int, pool: ContextPool | None) -> tuple[str, str]:
+def _shared_misfit_limits(n: int, cells: int, limit: int, limit_name: str) -> str | None:
+    """Which hard limit keeps ``n`` branches sharing ``cells`` cells out of one context, or None."""
+    reasons = []
+    if n > LLAMA_MAX_SEQ:
+        reasons.append(f"{n} branches need {n} sequences; llama.cpp allows at most {LLAMA_MAX_SEQ} in one context "
+                       "(LLAMA_MAX_SEQ)")
+    if cells > limit:
+        reasons.append(f"{n} branches need {cells} cells in one context; {limit_name} allows {limit}")
+    return "; ".join(reasons) or None
+
+
+def _choose_mode(mode: Mode, n: int, shared_cells: int, limit: int, limit_name: str,
+                 pool: ContextPool | None) -> tuple[str, str]:
     if mode == "isolated":
         return mode, "requested"
-    fits = shared_cells <= limit and n <= LLAMA_MAX_SEQ
+    too_big = _shared_misfit_limits(n, shared_cells, limit, limit_name)
     misfit = _shared_misfit(pool, n, shared_cells) if pool is not None else None
     if mode == "shared":
-        if not fits:
-            raise FanoutError(f"shared mode needs {shared_cells} cells for {n} branches in one context; the model "
-                              f"allows {limit} (max_ctx) and llama.cpp at most {LLAMA_MAX_SEQ} sequences")
+        if too_big is not None:
+            raise FanoutError(f"shared mode cannot run: {too_big}")
         if misfit is not None:
             raise FanoutError(f"shared mode cannot use the context pool: {misfit} (build its parameters with "
                               f"kvrt.branches.shared_params({shared_cells}, {n}))")
         return mode, "requested"
-    if mode != "auto":
-        raise FanoutError(f"unknown fan-out mode {mode!r}; choose auto, isolated or shared")
     if n == 1:
         return "isolated", "auto: one branch has nothing to share a context with"
-    if not fits:
-        return "isolated", f"auto: {n} branches need {shared_cells} shared cells > {limit}"
+    if too_big is not None:
+        return "isolated", f"auto: {too_big}"
     if misfit is not None:
         return "isolated", f"auto: the context pool cannot share: {misfit}"
     return "shared", f"auto: {n} branches fit one context ({shared_cells} cells <= {limit})"
+
+
+def _check_options(mode: object, fork: object, exact: object, n_batch: object, n_threads: object,
+                   max_ctx: object, pool: object, host_pool: object, progress: object) -> None:
+    """Refuse a fan-out option of the wrong kind before anything is tokenized or allocated."""
+    if mode not in MODES:
+        raise FanoutError(f"unknown fan-out mode {mode!r}; choose auto, isolated or shared")
+    if fork not in FORKS:
+        raise FanoutError(f"unknown shared-mode fork {fork!r}; choose one of {', '.join(FORKS)}")
+    if not isinstance(exact, bool):
+        raise FanoutError(f"exact must be a bool, got {shown(exact)}")
+    check_int(n_batch, "n_batch", low=1, high=INT32_MAX, error=FanoutError)
+    for name, value in (("n_threads", n_threads), ("max_ctx", max_ctx)):
+        if value is not None:
+            check_int(value, name, low=1, high=INT32_MAX, error=FanoutError)
+    for name, value, kind in (("pool", pool, ContextPool), ("host_pool", host_pool, HostPool)):
+        if value is not None and not isinstance(value, kind):
+            raise FanoutError(f"{name} must be a {kind.__name__} or None, got {shown(value)}")
+    if progress is not None and not callable(progress):
+        raise FanoutError(f"progress must be callable or None, got {shown(progress)}")
+
+
+def _branches(branches: object) -> list[Branch]:
+    """The branches as :class:`Branch` objects (a str is a prompt with default parameters)."""
+    if isinstance(branches, (str, bytes)) or not isinstance(branches, Sequence):
+        raise FanoutError(f"branches must be a list of Branch or str, got {shown(branches)}")
+    items = [b if isinstance(b, Branch) else Branch(b) for b in branches]
+    if not items:
+        raise FanoutError("fan-out needs at least one branch")
+    return items
 
 
 def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branch | str], *,
@@ -318,8 +370,10 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
     ``fork`` (shared mode): when the branches get the document's cells, chunk by chunk
     during the prefill (default) or all at once after it.
 
-    ``max_ctx`` caps the cells of a shared context (default: the model's training
-    context; more works but stretches RoPE past what the model was trained on).
+    ``max_ctx`` caps the cells of a context this call creates: a shared one (document
+    + every branch) or an isolated one (document + longest branch); default: the model's
+    training context (more works but stretches RoPE past what the model was trained on).
+    Every argument is checked first: a refusal is a :class:`FanoutError`.
     ``pool`` lets repeated fan-outs reuse contexts: in isolated mode its sequences need
     room for document + longest branch; in shared mode it must be unified with room for
     every branch (:func:`shared_params`). Budgets are checked before any context or
@@ -327,19 +381,16 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
     without a pool.
     """
     t0 = time.perf_counter()
-    if fork not in FORKS:
-        raise FanoutError(f"unknown shared-mode fork {fork!r}; choose one of {', '.join(FORKS)}")
-    items = [b if isinstance(b, Branch) else Branch(b) for b in branches]
-    if not items:
-        raise FanoutError("fan-out needs at least one branch")
-    doc = model.tokenize(document) if isinstance(document, str) else list(document)
-    if not doc:
-        raise FanoutError("the shared document is empty")
+    _check_options(mode, fork, exact, n_batch, n_threads, max_ctx, pool, host_pool, progress)
+    items = _branches(branches)
+    doc = prompt_tokens(model, document, "the shared document", add_special=True, error=FanoutError)
     budgets = [branch_budget(model, b) for b in items]
     prompts = [tokens for tokens, _ in budgets]
     needs = [need for _, need in budgets]
     shared_cells = len(doc) + sum(needs)
-    chosen, reason = _choose_mode(mode, len(items), shared_cells, max_ctx or model.n_ctx_train, pool)
+    limit, limit_name = (max_ctx, "max_ctx") if max_ctx is not None else (
+        model.n_ctx_train, "the model's training context (n_ctx_train; raise it with max_ctx)")
+    chosen, reason = _choose_mode(mode, len(items), shared_cells, limit, limit_name, pool)
     created = pool.created if pool is not None else 0
 
     if chosen == "shared":
@@ -369,6 +420,9 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
 
     need = len(doc) + max(needs)
     own_pool = pool is None
+    if pool is None and need > limit:
+        raise FanoutError(f"isolated mode needs {need} cells for document ({len(doc)}) + longest branch "
+                          f"({max(needs)}) in one context; {limit_name} allows {limit}")
     if pool is None:
         pool = ContextPool(model, isolated_params(need, n_batch=n_batch, n_threads=n_threads), max_idle=1)
     elif pool.params.n_ctx // (1 if pool.params.kv_unified else pool.params.n_seq_max) < need:

@@ -83,11 +83,12 @@ def check_text(value: object, what: str, *, error: type[KvrtError] = InvalidArgu
     return value
 
 
-def check_tokens(value: object, what: str, n_vocab: int, *, error: type[KvrtError] = InvalidArgument) -> list[int]:
+def check_tokens(value: object, what: str, n_vocab: int, *, expected: str = "a sequence of token ids",
+                 error: type[KvrtError] = InvalidArgument) -> list[int]:
     """``value`` as a non-empty list of token ids in ``[0, n_vocab)``; text and bytes are refused, not iterated."""
     if isinstance(value, (str, bytes, bytearray, memoryview)) or not isinstance(value, Iterable) or (
             isinstance(value, np.ndarray) and value.ndim != 1):
-        raise error(f"{what} must be a sequence of token ids, got {shown(value)}")
+        raise error(f"{what} must be {expected}, got {shown(value)}")
     tokens = value.tolist() if isinstance(value, np.ndarray) else list(value)
     if not tokens:
         raise error(f"{what} is empty")
@@ -111,4 +112,4 @@ def prompt_tokens(model: Model, prompt: object, what: str, *, add_special: bool,
         if not tokens:
             raise error(f"{what} {shown(prompt)} has no tokens")
         return tokens
-    return check_tokens(prompt, what, model.n_vocab, error=error)
+    return check_tokens(prompt, what, model.n_vocab, expected="text (str) or a sequence of token ids", error=error)

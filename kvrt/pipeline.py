@@ -30,7 +30,8 @@ from typing import Any
 from kvrt.context import ContextParams
 from kvrt.contextpool import ContextPool
 from kvrt.errors import KvrtError
-from kvrt.branches import Branch, branch_budget, run_isolated
+from kvrt.branches import Branch, FanoutError, branch_budget, run_isolated
+from kvrt.checks import INT32_MAX, check_int, prompt_tokens, shown
 from kvrt.generation import GenerationParams, prefill
 from kvrt.hostpool import HostPool
 from kvrt.model import Model
@@ -73,7 +74,7 @@ class NodeFailed(PipelineError):
 @dataclass
 class _Document:
     name: str
-    source: str | Sequence[int]
+    tokens: list[int]
     deps: tuple[str, ...] = ()
 
 
@@ -129,6 +130,10 @@ class Pipeline:
 
     def __init__(self, model: Model, *, n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None,
                  max_workers: int = 4, host_pool: HostPool | None = None, flash_attn: str = "auto") -> None:
+        check_int(n_batch, "n_batch", low=1, high=INT32_MAX, error=PipelineError)
+        check_int(max_workers, "max_workers", low=1, high=1024, error=PipelineError)
+        if host_pool is not None and not isinstance(host_pool, HostPool):
+            raise PipelineError(f"host_pool must be a HostPool or None, got {shown(host_pool)}")
         self.model = model
         self.params = ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512), n_threads=n_threads,
                                     flash_attn=flash_attn)
@@ -137,27 +142,40 @@ class Pipeline:
         self._nodes: dict[str, _Node] = {}
 
     # -- building -----------------------------------------------------------------------
-    def _add(self, node: _Node) -> None:
-        if not node.name:
-            raise PipelineError("a pipeline node needs a non-empty name")
-        if node.name in self._nodes:
-            raise PipelineError(f"a node named {node.name!r} already exists")
-        self._nodes[node.name] = node
+    def _check_name(self, name: object) -> str:
+        """A new node's name: a non-empty string not taken yet."""
+        if not isinstance(name, str) or not name:
+            raise PipelineError(f"a pipeline node needs a non-empty name (str), got {shown(name)}")
+        if name in self._nodes:
+            raise PipelineError(f"a node named {name!r} already exists")
+        return name
 
     def document(self, name: str, source: str | Sequence[int]) -> None:
-        """A shared document (text, tokenized with BOS, or token ids) prefilled once."""
-        self._add(_Document(name, source))
+        """A shared document (text, tokenized with BOS, or token ids) prefilled once; checked and tokenized now."""
+        self._check_name(name)
+        tokens = prompt_tokens(self.model, source, f"document {name!r}", add_special=True, error=PipelineError)
+        self._nodes[name] = _Document(name, tokens)
 
     def branch(self, name: str, prompt: str, *, after: str, params: GenerationParams | None = None,
                need_tokens: int | None = None) -> None:
         """A branch continuing document ``after`` (its first ``need_tokens`` tokens, default all)."""
-        if need_tokens is not None and need_tokens <= 0:
-            raise PipelineError(f"branch {name!r}: need_tokens must be positive, got {need_tokens}")
-        self._add(_BranchNode(name, Branch(prompt, params or GenerationParams(), name), after, need_tokens))
+        self._check_name(name)
+        if need_tokens is not None:
+            check_int(need_tokens, f"branch {name!r}: need_tokens", low=1, high=INT32_MAX, error=PipelineError)
+        try:
+            branch = Branch(prompt, GenerationParams() if params is None else params, name)
+        except FanoutError as exc:
+            raise PipelineError(str(exc)) from exc
+        self._nodes[name] = _BranchNode(name, branch, after, need_tokens)
 
     def node(self, name: str, fn: Callable[[dict[str, Any]], Any], *, deps: Sequence[str] = ()) -> None:
         """A function of its dependencies' outputs (``{dep_name: output}``)."""
-        self._add(_Function(name, fn, tuple(deps)))
+        self._check_name(name)
+        if not callable(fn):
+            raise PipelineError(f"node {name!r}: fn must be callable, got {shown(fn)}")
+        if isinstance(deps, str) or not isinstance(deps, Sequence) or not all(isinstance(d, str) for d in deps):
+            raise PipelineError(f"node {name!r}: deps must be a list of node names, got {shown(deps)}")
+        self._nodes[name] = _Function(name, fn, tuple(deps))
 
     # -- validation (nothing allocated) -----------------------------------------------
     def _check_graph(self) -> None:
@@ -192,12 +210,10 @@ class Pipeline:
         docs: dict[str, list[int]] = {}
         for node in self._nodes.values():
             if isinstance(node, _Document):
-                tokens = self.model.tokenize(node.source) if isinstance(node.source, str) else list(node.source)
-                if not tokens:
-                    raise BudgetError(f"document {node.name!r} is empty")
-                if len(tokens) > self.params.n_ctx:
-                    raise BudgetError(f"document {node.name!r} has {len(tokens)} tokens > n_ctx={self.params.n_ctx}")
-                docs[node.name] = tokens
+                if len(node.tokens) > self.params.n_ctx:
+                    raise BudgetError(f"document {node.name!r} has {len(node.tokens)} tokens > "
+                                      f"n_ctx={self.params.n_ctx}")
+                docs[node.name] = node.tokens
         marks: dict[str, int] = {}
         for node in self._nodes.values():
             if not isinstance(node, _BranchNode):

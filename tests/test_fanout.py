@@ -264,7 +264,7 @@ def test_budget_and_argument_errors_name_the_numbers(tiny_model):
         fanout(tiny_model, TEXT, [])
     with pytest.raises(FanoutError, match="unknown fan-out mode"):
         fanout(tiny_model, TEXT, BRANCHES, mode="parallel")  # type: ignore[arg-type]
-    with pytest.raises(FanoutError, match="empty prompt"):
+    with pytest.raises(FanoutError, match="branch prompt is empty"):
         fanout(tiny_model, TEXT, [Branch("")])
 
 
@@ -358,3 +358,60 @@ def test_exposed_fork_is_all_of_it_after_the_prefill_and_the_prefill_growth_duri
     assert _exposed_fork(run(8.0, 49.0, True), 5, 50.0) == 0.0  # hidden: the prefill did not grow
     assert _exposed_fork(run(8.0, 54.0, True), 5, None) is None  # nothing to hold it against
     assert _exposed_fork(run(0.0, 50.0, True), 1, 50.0) is None
+
+
+# -- argument checking: every refusal before any context is created ---------------------------
+@pytest.mark.parametrize("document, reason", [
+    ("", "document is empty"), ([], "document is empty"), (b"The document", "must be text"),
+    (None, "document must be"), ("\ud800 text", "cannot be encoded as UTF-8"), ([1, 2.5], r"document\[1\]"),
+    ([10**6], "outside the vocabulary"), (np.array([[1, 2]]), "sequence of token ids"),
+], ids=repr)
+def test_a_bad_document_is_refused_before_any_context(tiny_model, document, reason):
+    with ContextPool(tiny_model, ContextParams(n_ctx=512)) as pool:
+        with pytest.raises(FanoutError, match=reason):
+            fanout(tiny_model, document, BRANCHES, pool=pool)
+        assert pool.created == 0
+
+
+@pytest.mark.parametrize("prompt, reason", [
+    (b" Summary:", "must be text"), (None, "must be text"), ("\ud800", "cannot be encoded as UTF-8"),
+    ("", "branch prompt is empty"), (5, "must be text"),
+], ids=repr)
+def test_a_bad_branch_prompt_is_refused(tiny_model, prompt, reason):
+    with pytest.raises(FanoutError, match=reason):
+        Branch(prompt)  # type: ignore[arg-type]
+    with pytest.raises(FanoutError, match=reason):
+        fanout(tiny_model, TEXT, [prompt])  # type: ignore[list-item]
+
+
+def test_a_branch_needs_generation_params_and_a_string_name():
+    with pytest.raises(FanoutError, match="params must be a GenerationParams"):
+        Branch(" x", {"max_tokens": 3})  # type: ignore[arg-type]
+    with pytest.raises(FanoutError, match="name must be a str"):
+        Branch(" x", name=3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"n_batch": 2.5}, "n_batch"), ({"n_batch": 0}, "n_batch"), ({"max_ctx": "4096"}, "max_ctx"),
+    ({"max_ctx": 0}, "max_ctx"), ({"mode": ["shared"]}, "unknown fan-out mode"), ({"fork": None}, "fork"),
+], ids=repr)
+def test_bad_fanout_options_are_refused(tiny_model, kwargs, reason):
+    with pytest.raises(FanoutError, match=reason):
+        fanout(tiny_model, TEXT, BRANCHES, **kwargs)
+
+
+def test_more_branches_than_llama_cpp_has_sequences_names_that_limit(tiny_model):
+    branches = [Branch(" A", GenerationParams(max_tokens=1))] * 300
+    with pytest.raises(FanoutError, match="300 branches need 300 sequences; llama.cpp allows at most 256"):
+        fanout(tiny_model, TEXT, branches, mode="shared")
+    result = fanout(tiny_model, "The document.", branches)
+    assert result.mode == "isolated" and len(result.branches) == 300
+    assert "300 branches need 300 sequences" in result.reason and "256" in result.reason
+    assert "cells >" not in result.reason  # the cells fit: that is not why
+
+
+def test_too_many_shared_cells_names_the_cell_limit(tiny_model):
+    with pytest.raises(FanoutError, match=r"3 branches need \d+ cells in one context; max_ctx allows 64"):
+        fanout(tiny_model, TEXT, BRANCHES, mode="shared", max_ctx=64)
+    with pytest.raises(FanoutError, match=r"isolated mode needs \d+ cells .* max_ctx allows 64"):
+        fanout(tiny_model, TEXT, BRANCHES, mode="isolated", max_ctx=64)

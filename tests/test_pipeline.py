@@ -91,7 +91,7 @@ def test_malformed_graphs_are_refused(tiny_model):
         pipe.run()
     with pytest.raises(PipelineError, match="already exists"):
         pipe.node("f", lambda out: 2)
-    with pytest.raises(PipelineError, match="need_tokens must be positive"):
+    with pytest.raises(PipelineError, match=r"need_tokens 0 is outside \[1, "):
         pipe.branch("c", "x", after="f", need_tokens=0)
 
 
@@ -119,11 +119,20 @@ def test_budget_is_checked_before_any_allocation(tiny_model, monkeypatch):
         pipe.run()
 
 
-def test_failures_propagate_to_dependents_and_spare_the_rest(tiny_model):
+def test_failures_propagate_to_dependents_and_spare_the_rest(tiny_model, monkeypatch):
     doc = tiny_model.tokenize(TEXT)
+    bad = doc[:21]
+    real_prefill = kvrt.pipeline.prefill
+
+    def prefill_failing_on_bad(ctx, tokens, **kwargs):
+        if list(tokens) == bad:
+            raise KvrtError("injected prefill failure")
+        return real_prefill(ctx, tokens, **kwargs)
+
+    monkeypatch.setattr(kvrt.pipeline, "prefill", prefill_failing_on_bad)
     pipe = Pipeline(tiny_model, n_ctx=1024, n_batch=16)
     pipe.document("good", doc)
-    pipe.document("bad", doc[:20] + [tiny_model.n_vocab + 5])  # fails inside the prefill
+    pipe.document("bad", bad)  # fails inside the prefill
     pipe.branch("fine", " Q:", after="good", params=SHORT)
     pipe.branch("orphan", " Q:", after="bad", params=SHORT)
     pipe.node("crash", lambda out: 1 / 0, deps=["fine"])
@@ -133,7 +142,7 @@ def test_failures_propagate_to_dependents_and_spare_the_rest(tiny_model):
         pipe.run()
     result = info.value.result
     assert set(result.errors) == {"bad", "orphan", "crash", "downstream"}
-    assert isinstance(result.errors["bad"], KvrtError) and "outside the vocabulary" in str(result.errors["bad"])
+    assert isinstance(result.errors["bad"], KvrtError) and "injected" in str(result.errors["bad"])
     assert isinstance(result.errors["orphan"], DependencyFailed)
     assert result.errors["orphan"].__cause__ is result.errors["bad"]
     assert isinstance(result.errors["crash"], ZeroDivisionError)
@@ -143,3 +152,43 @@ def test_failures_propagate_to_dependents_and_spare_the_rest(tiny_model):
     assert result.outputs["sibling"] == result.outputs["fine"].text.upper()
     again = pipe.run(raise_errors=False)  # the pipeline can run again and returns the same verdicts
     assert set(again.errors) == set(result.errors) and again.outputs["fine"].tokens == result.outputs["fine"].tokens
+
+
+@pytest.mark.parametrize("source, reason", [
+    (b"bytes", "must be text"), (None, "must be text"), ("", "is empty"), ([], "is empty"),
+    ("\ud800", "cannot be encoded as UTF-8"), ([1, 10**6], "outside the vocabulary"), ([1.5], "must be a token id"),
+], ids=repr)
+def test_a_bad_document_is_refused_when_it_is_added(tiny_model, source, reason):
+    pipe = Pipeline(tiny_model)
+    with pytest.raises(PipelineError, match=rf"document 'd'.*{reason}|{reason}.*document 'd'"):
+        pipe.document("d", source)
+    pipe.document("d", "fine")  # nothing half-added under that name
+
+
+@pytest.mark.parametrize("call, reason", [
+    (lambda p: p.branch("b", b"x", after="d"), "must be text"),
+    (lambda p: p.branch("b", "", after="d"), "prompt is empty"),
+    (lambda p: p.branch("b", "x", after="d", params={"max_tokens": 2}), "GenerationParams"),
+    (lambda p: p.branch("b", "x", after="d", need_tokens=2.5), "need_tokens"),
+    (lambda p: p.branch("b", "x", after="d", need_tokens=True), "need_tokens"),
+    (lambda p: p.node("f", "not callable"), "callable"),
+    (lambda p: p.node("f", len, deps="d"), "deps"),
+    (lambda p: p.node("", len), "non-empty name"),
+    (lambda p: p.node(7, len), "name"),
+], ids=["bytes-prompt", "empty-prompt", "params", "float-need", "bool-need", "fn", "str-deps", "empty-name",
+        "int-name"])
+def test_bad_nodes_are_refused_as_pipeline_errors(tiny_model, call, reason):
+    pipe = Pipeline(tiny_model)
+    pipe.document("d", "The document.")
+    with pytest.raises(PipelineError, match=reason):
+        call(pipe)
+    assert list(pipe._nodes) == ["d"]
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"max_workers": 0}, "max_workers"), ({"max_workers": 2.0}, "max_workers"), ({"n_batch": "512"}, "n_batch"),
+    ({"host_pool": "pool"}, "host_pool"),
+], ids=repr)
+def test_bad_pipeline_settings_are_refused(tiny_model, kwargs, reason):
+    with pytest.raises(PipelineError, match=reason):
+        Pipeline(tiny_model, **kwargs)
