@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from kvrt.errors import KvrtError
 
@@ -71,6 +72,37 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 
 
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _check_regular(path: Path, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), f"mode {stat.S_IFMT(mode):o}")
+        raise EstimateError(f"{path} is not a regular file ({kind}); a model must be a GGUF file")
+
+
+def _open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for reading, refused unless it is a regular file.
+
+    Checked before opening (opening a FIFO blocks until a writer appears, and would stall
+    the scheduler's one thread) and again on the open descriptor, which is opened
+    non-blocking so a file swapped for a FIFO in between cannot block either.
+    """
+    try:
+        _check_regular(path, os.stat(path).st_mode)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise EstimateError(f"cannot read GGUF header of {path}: {exc}") from exc
+    try:
+        _check_regular(path, os.fstat(fd).st_mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
 def _read_gguf_header(path: Path) -> tuple[dict[str, object], dict[str, int], list[tuple[str, int]]]:
     """Scalar metadata, array lengths and (tensor name, bytes) of a GGUF file, from its header alone.
 
@@ -80,10 +112,7 @@ def _read_gguf_header(path: Path) -> tuple[dict[str, object], dict[str, int], li
     """
     import gguf
 
-    try:
-        fh = path.open("rb")
-    except OSError as exc:
-        raise EstimateError(f"cannot read GGUF header of {path}: {exc}") from exc
+    fh = _open_regular(path)
 
     def unpack(fmt: str) -> Any:
         size = struct.calcsize(fmt)
