@@ -13,7 +13,9 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from kvrt.checks import check_int, shown
 from kvrt.context import Context, ContextParams
+from kvrt.errors import InvalidArgument
 from kvrt.model import Model
 
 
@@ -25,9 +27,11 @@ class ContextPool:
     """
 
     def __init__(self, model: Model, params: ContextParams, *, max_idle: int = 4) -> None:
+        if not isinstance(params, ContextParams):
+            raise InvalidArgument(f"a context pool needs ContextParams, got {shown(params)}")
         self.model = model
         self.params = params
-        self.max_idle = max_idle
+        self.max_idle = check_int(max_idle, "max_idle", low=0, high=1024)
         self._idle: list[Context] = []
         self._lock = threading.Lock()
         self.created = 0

@@ -88,3 +88,14 @@ def test_check_helpers_name_the_argument_and_the_value():
     with pytest.raises(InvalidArgument, match="surrogates not allowed '\\\\ud800' at character 2"):
         check_text("ab\ud800", "t")
     assert check_tokens(np.arange(3), "ids", 10) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"params": {"n_ctx": 256}}, "ContextParams"), ({"max_idle": -1}, "max_idle"), ({"max_idle": 1.5}, "max_idle"),
+], ids=repr)
+def test_a_context_pool_checks_its_settings(tiny_model, kwargs, reason):
+    from kvrt.context import ContextParams
+    from kvrt.contextpool import ContextPool
+
+    with pytest.raises(InvalidArgument, match=reason):
+        ContextPool(tiny_model, **{"params": ContextParams(n_ctx=256), **kwargs})
