@@ -47,7 +47,7 @@ build_llama() {
 
 make_models() {
   for preset in llama3.2-1b qwen2.5-7b; do
-    [ -f "$MODELS/$preset.gguf" ] || python3 tools/make_test_model.py --preset "$preset" --out "$MODELS/$preset.gguf" \
+    [ -f "$MODELS/$preset.gguf" ] || KVRT_NO_PRELOAD=1 python3 tools/make_test_model.py --preset "$preset" --out "$MODELS/$preset.gguf" \
       > "$RESULTS/model-$preset.log" 2>&1 || note "model $preset FAILED"
   done
   note "models: $(ls -sh "$MODELS" | tr '\n' ' ')"

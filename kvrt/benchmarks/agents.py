@@ -364,8 +364,9 @@ def _plot(results: dict[str, Any], out: Path) -> None:
         series = [("re-prefill", [r["kvrt"]["reprefill_ms"] for r in rows]),
                   ("kvrt swap-in (kept ctx)", [r["kvrt"]["swap_in_kept_ms"] for r in rows]),
                   ("ideal transfer", [r["kvrt"]["ideal_ms"] for r in rows])]
-        series += [(f"peer {kind} load_state", [r["peer"][kind]["swap_in_ms"] for r in rows])
-                   for kind in (rows[0]["peer"] if rows else {})]
+        kinds = dict.fromkeys(kind for r in rows for kind in r["peer"])  # a length may run fewer peer caches
+        series += [(f"peer {kind} load_state", [r["peer"].get(kind, {}).get("swap_in_ms", float("nan")) for r in rows])
+                   for kind in kinds]
         fig, ax = plt.subplots(figsize=(7, 3.8))
         x = np.arange(len(rows))
         width = 0.8 / len(series)

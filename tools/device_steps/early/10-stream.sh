@@ -12,6 +12,9 @@
 # (speedup, ideal (T+C)/max(T,C), the bound for these n layers, efficiency against both, H2D vs peak).
 # Time limits add up to 150 s (expected ~70 s); a run that hits its limit prints rc=124 and is skipped.
 set -uo pipefail
+# No llama.cpp in these processes: it is not built yet when the early steps run, and with a CUDA build mapped
+# the streamer's CuPy/Numba work segfaulted (2026-12-03); `import kvrt` skips mapping it with this set.
+export KVRT_NO_PRELOAD=1
 OUT_DIR="${RESULTS:-/tmp/kvrt-results}/stream"
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1

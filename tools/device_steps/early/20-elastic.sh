@@ -15,6 +15,9 @@
 #      idle models co-resident. Look for the "static starts to queue ..." line.
 # Writes everything under $RESULTS/elastic/.
 set -uo pipefail
+# No llama.cpp in these processes: it is not built yet when the early steps run, and with a CUDA build mapped
+# the streamer's CuPy/Numba work segfaulted (2026-12-03); `import kvrt` skips mapping it with this set.
+export KVRT_NO_PRELOAD=1
 out="${RESULTS:-/tmp/kvrt-results}/elastic"
 mkdir -p "$out"
 if [ -n "${ELASTIC_TESTS:-}" ]; then
