@@ -3,7 +3,9 @@
 A reply's ``ERR`` line becomes :class:`DaemonReplyError` (with its code and fields), so
 a ledger refusal arrives as ``exc.code == "VRAM_LEDGER_DENY"`` and
 ``exc.fields["ledger_max_bytes"]``. One client is one connection; use one per thread
-(the daemon serves many connections at once).
+(the daemon serves many connections at once). When the daemon closed the connection and
+said why (``ERR IDLE_TIMEOUT``, ``ERR TOO_MANY_CONNECTIONS``), the next request raises
+that reply's :class:`DaemonReplyError` rather than a bare broken pipe.
 """
 
 from __future__ import annotations
@@ -76,11 +78,20 @@ class Client:
         if "\n" in line or "\r" in line:
             raise KvrtError("a request is one line; escape newlines in prompts (DECODE does it for you)")
         with self._lock:
-            self._sock.sendall(line.encode("utf-8") + b"\n")
+            try:
+                self._sock.sendall(line.encode("utf-8") + b"\n")
+                unsent = None
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                unsent = exc  # the daemon closed first; the reason it sent (idle, too many clients) is still readable
             lines: list[str] = []
             text: str | None = None
             while True:
-                current = self._readline()
+                try:
+                    current = self._readline()
+                except ConnectionLost:
+                    if unsent is None:
+                        raise
+                    raise ConnectionLost(f"the daemon closed the connection before this request ({unsent})") from unsent
                 if current == END:
                     break
                 if current.startswith("BEGIN_RESPONSE bytes="):
@@ -96,6 +107,8 @@ class Client:
         for current in lines:
             if current.startswith("ERR "):
                 raise DaemonReplyError(current)
+        if unsent is not None:  # a whole reply that answered no request of ours
+            raise ConnectionLost(f"the daemon closed the connection before this request ({unsent})") from unsent
         return lines, text
 
     def _fields(self, line: str) -> dict[str, Any]:
@@ -111,11 +124,13 @@ class Client:
 
     def status(self) -> dict[str, Any]:
         lines, _ = self.request("STATUS")
-        status: dict[str, Any] = {"loaded": []}
+        status: dict[str, Any] = {"loaded": [], "state_problems": []}
         for current in lines:
             fields = parse_fields(current)
             if "model" in fields:
                 status["loaded"].append(fields)
+            elif "state_skipped_agent" in fields:
+                status["state_problems"].append(fields)
             else:
                 status.update(fields)
         return status

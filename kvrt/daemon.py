@@ -10,7 +10,12 @@ must exist, belong to us or root, and not be writable by others unless sticky li
 and replaced; a live one is refused. :meth:`Daemon.stop` is the clean shutdown that
 SIGTERM triggers: stop accepting, let the running request finish, answer queued ones
 with ``ERR SHUTTING_DOWN``, then close every connection and remove the socket; replies
-are sent whole, never half-written.
+are sent whole, never half-written. Stopping is bounded: a request still running when
+its timeout ends is abandoned, and ``stop`` says so.
+
+Connections are bounded in number and idle time (:class:`Daemon`), each refusal an
+``ERR`` line the client can read before the daemon closes; the listen backlog is the
+system's maximum, so a burst of clients connecting at once is queued, not refused.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import socket
 import socketserver
 import stat
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +36,11 @@ from kvrt.budget import Budget
 from kvrt.errors import ContextError, KvrtError, ModelLoadError
 from kvrt.estimate import EstimateError
 from kvrt.ledger import LedgerDenied
-from kvrt.protocol import (HELP_LINES, MAX_LINE, SCHEMA, Command, ProtocolError, error_line, ok_line, parse_line,
-                           reply, response_block)
+from kvrt.protocol import (HELP_LINES, MAX_LINE, SCHEMA, Command, ProtocolError, error_line, line_too_long, ok_line,
+                           parse_line, reply, response_block)
 from kvrt.scheduler import Scheduler, SchedulerError
 
 log = logging.getLogger("kvrt.daemon")
-_JOIN_S = 30.0
 
 
 class DaemonError(KvrtError):
@@ -79,9 +85,11 @@ def check_socket_path(path: str | os.PathLike[str]) -> Path:
 class Handler:
     """Turns parsed commands into reply lines against one scheduler (no sockets here)."""
 
-    def __init__(self, scheduler: Scheduler, budget: Budget | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, budget: Budget | None = None,
+                 connection_fields: Callable[[], dict[str, Any]] | None = None) -> None:
         self.scheduler = scheduler
         self.budget = budget
+        self.connection_fields = connection_fields
 
     def execute(self, command: Command) -> list[str]:
         try:
@@ -121,17 +129,32 @@ class Handler:
                     swapped=sum(a["state"] == "swapped" for a in agents),
                     models=len(self.scheduler.registry.models())),
         ]
+        if self.connection_fields is not None:
+            lines.append(ok_line(**self.connection_fields()))
+        lines += self._state_lines()
         for entry in self.scheduler.registry.models():
             lines.append(ok_line(model=entry.path.name, refcount=entry.refcount,
                                  reserved_bytes=entry.reservation.nbytes, estimated_bytes=entry.estimated_bytes,
                                  measured_bytes=entry.measured_bytes, estimate=entry.estimate_source))
         return lines
 
+    def _state_lines(self) -> list[str]:
+        """Where agents' state is saved, how many were restored at start, and each one skipped and why."""
+        store = self.scheduler.store
+        if store is None:
+            return []
+        problems = self.scheduler.state_problems
+        return [ok_line(state_dir=str(store.directory), state_restored=self.scheduler.state_restored,
+                        state_skipped=len(problems)),
+                *(ok_line(state_skipped_agent=p.agent_id, state_skipped_file=p.file, reason=p.reason)
+                  for p in problems)]
+
     def _list(self) -> list[str]:
         agents = self.scheduler.agents()
         return [ok_line(agents=len(agents)), *(
             ok_line(agent=a["agent_id"], model=a["model"], n_ctx=a["n_ctx"], state=a["state"],
-                    context_bytes=a["context_bytes"], queued=a["queued"], requests=a["requests"])
+                    held_tokens=a["held_tokens"], context_bytes=a["context_bytes"], queued=a["queued"],
+                    requests=a["requests"])
             for a in agents)]
 
     def _register(self, agent_id: str, model_path: str, n_ctx: int) -> list[str]:
@@ -175,23 +198,74 @@ class Handler:
         return [ok_line("bye")]
 
 
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_IDLE_TIMEOUT_S = 300.0
+DEFAULT_STOP_TIMEOUT_S = 30.0
+_REFUSAL_SEND_S = 1.0  # a refused client's ERR line goes into a fresh socket buffer; never wait long on it
+_REPLY_GRACE_S = 1.0  # after the scheduler closed, time for the last replies to be written whole
+
+
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """A thread per admitted connection; ``admit`` runs on the accept thread, so a refusal costs no thread."""
+
     daemon_threads = True
+    block_on_close = False
     allow_reuse_address = False
+    request_queue_size = socket.SOMAXCONN  # the default 5 made clients connecting at once see EAGAIN
+
+    def __init__(self, path: str, handler: type[socketserver.BaseRequestHandler],
+                 admit: Callable[[socket.socket], bool]) -> None:
+        self.admit = admit
+        super().__init__(path, handler)
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        return self.admit(request)
+
+
+def _read_line(rfile: Any) -> bytes | None:
+    """The next request line with its newline, or ``None`` once the client has gone.
+
+    A line longer than :data:`MAX_LINE` (newline included) is skipped to its end and
+    refused with its length; a client that leaves in the middle of a line gets no answer.
+    """
+    raw = rfile.readline(MAX_LINE)
+    if raw.endswith(b"\n"):
+        return raw
+    if len(raw) < MAX_LINE:
+        return None
+    length = len(raw)
+    while raw and not raw.endswith(b"\n"):
+        raw = rfile.readline(MAX_LINE)
+        length += len(raw)
+    raise ProtocolError("LINE_TOO_LONG", line_too_long(length + (not raw.endswith(b"\n"))))
 
 
 class Daemon:
-    """The socket server around a :class:`Handler`; :meth:`start` then :meth:`stop`."""
+    """The socket server around a :class:`Handler`; :meth:`start` then :meth:`stop`.
+
+    At most ``max_connections`` clients are served at once (one thread each); a client
+    past that gets ``ERR TOO_MANY_CONNECTIONS`` and is closed. A connection that sends
+    nothing for ``idle_timeout_s`` seconds (``None``: never) gets ``ERR IDLE_TIMEOUT`` and
+    is closed; the same timeout bounds sending a reply to a client that does not read.
+    """
 
     def __init__(self, socket_path: str | os.PathLike[str], scheduler: Scheduler, *,
-                 budget: Budget | None = None) -> None:
+                 budget: Budget | None = None, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S) -> None:
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+            raise DaemonError(f"max_connections must be a positive integer, got {max_connections!r}")
+        if idle_timeout_s is not None and not idle_timeout_s > 0:
+            raise DaemonError(f"idle_timeout_s must be positive (or None for no limit), got {idle_timeout_s!r}")
         self.path = check_socket_path(socket_path)
-        self.handler = Handler(scheduler, budget)
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self.handler = Handler(scheduler, budget, self._connection_fields)
         self.scheduler = scheduler
         self._connections: set[socket.socket] = set()
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._clean = True
         daemon = self
 
         class _Connection(socketserver.StreamRequestHandler):
@@ -200,7 +274,7 @@ class Daemon:
 
         old_umask = os.umask(0o177)  # the socket is born 0600: no window where others may connect
         try:
-            self._server = _Server(str(self.path), _Connection)
+            self._server = _Server(str(self.path), _Connection, self._admit)
         finally:
             os.umask(old_umask)
         os.chmod(self.path, 0o600)
@@ -211,47 +285,85 @@ class Daemon:
         log.info("serving on %s", self.path)
         return self
 
-    def _serve_connection(self, conn: socket.socket, rfile: Any, wfile: Any) -> None:
+    def _connection_fields(self) -> dict[str, Any]:
+        with self._lock:
+            open_now = len(self._connections)
+        return {"connections": open_now, "max_connections": self.max_connections,
+                "idle_timeout_s": self.idle_timeout_s}
+
+    def _admit(self, conn: socket.socket) -> bool:
+        """Count ``conn`` in (accept thread), or tell it why not; the caller closes a refused one."""
         with self._lock:
             if self._stopping.is_set():
-                return
-            self._connections.add(conn)
+                refusal = error_line("SHUTTING_DOWN", "the daemon is shutting down")
+            elif len(self._connections) >= self.max_connections:
+                refusal = error_line("TOO_MANY_CONNECTIONS",
+                                     f"max_connections={self.max_connections} all {self.max_connections} connections "
+                                     "are in use; close one or retry later")
+            else:
+                self._connections.add(conn)
+                return True
+        log.info("refused a connection: %s", refusal)
+        try:
+            conn.settimeout(_REFUSAL_SEND_S)
+            conn.sendall(reply(refusal))
+        except OSError:
+            pass  # the client is gone already
+        return False
+
+    def _idle_notice(self) -> str:
+        t = self.idle_timeout_s
+        return error_line("IDLE_TIMEOUT", f"idle_timeout_s={t:g} no request for {t:g} s; closing this connection")
+
+    def _serve_connection(self, conn: socket.socket, rfile: Any, wfile: Any) -> None:
+        with self._lock:
             self._threads.add(threading.current_thread())
         try:
+            conn.settimeout(self.idle_timeout_s)
             while not self._stopping.is_set():
-                raw = rfile.readline(MAX_LINE + 1)
-                if not raw:
-                    return
-                if not raw.endswith(b"\n"):
-                    if len(raw) <= MAX_LINE:
-                        return  # the client went away in the middle of a line: nothing to answer
-                    while raw and not raw.endswith(b"\n"):  # skip the rest of an over-long line
-                        raw = rfile.readline(MAX_LINE + 1)
-                    lines = [error_line("LINE_TOO_LONG", f"request line exceeds {MAX_LINE} bytes")]
-                    command = None
-                else:
-                    try:
-                        command = parse_line(raw)
-                        lines = self.handler.execute(command)
-                    except ProtocolError as exc:
-                        command, lines = None, [exc.reply()]
+                command = None
                 try:
-                    wfile.write(reply(*lines))
-                    wfile.flush()
-                except OSError:
-                    return  # the client disconnected before its reply: its request still ran
-                if command is not None and command.verb == "QUIT":
+                    raw = _read_line(rfile)
+                    if raw is None:
+                        return
+                    command = parse_line(raw)
+                except TimeoutError:
+                    self._send(wfile, [self._idle_notice()])
+                    return
+                except ProtocolError as exc:
+                    lines = [exc.reply()]
+                else:
+                    lines = self.handler.execute(command)
+                if not self._send(wfile, lines) or (command is not None and command.verb == "QUIT"):
                     return
         finally:
             with self._lock:
                 self._connections.discard(conn)
                 self._threads.discard(threading.current_thread())
 
-    def stop(self) -> None:
-        """Stop accepting, finish or refuse what is in flight, close connections, remove the socket."""
-        if self._stopping.is_set():
-            return
-        self._stopping.set()
+    @staticmethod
+    def _send(wfile: Any, lines: list[str]) -> bool:
+        """Send one whole reply; False when the client has gone (or stopped reading past the idle timeout)."""
+        try:
+            wfile.write(reply(*lines))
+            wfile.flush()
+        except OSError:
+            return False  # the request still ran; only its reply is lost
+        return True
+
+    def stop(self, timeout: float = DEFAULT_STOP_TIMEOUT_S) -> bool:
+        """Stop accepting, finish or refuse what is in flight, close connections, remove the socket.
+
+        Bounded by ``timeout`` seconds: queued requests are refused at once and the
+        running one gets what is left. Returns False when it was still running then; it
+        is abandoned to its thread, and its agent's state is neither freed nor saved
+        (freeing memory under a running llama.cpp call would crash the process).
+        """
+        with self._lock:
+            if self._stopping.is_set():
+                return self._clean
+            self._stopping.set()
+        deadline = time.monotonic() + timeout
         if self._thread.is_alive():
             self._server.shutdown()
         with self._lock:
@@ -261,12 +373,17 @@ class Daemon:
                 except OSError:
                     pass
             threads = list(self._threads)
-        self.scheduler.close()
+        self._clean = self.scheduler.close(timeout=max(deadline - time.monotonic(), 0.0))
+        replies_by = max(deadline, time.monotonic() + _REPLY_GRACE_S)
         for thread in threads:
-            thread.join(_JOIN_S)
+            thread.join(max(replies_by - time.monotonic(), 0.0))
         self._server.server_close()
         self.path.unlink(missing_ok=True)
-        log.info("stopped; removed %s", self.path)
+        if self._clean:
+            log.info("stopped; removed %s", self.path)
+        else:
+            log.warning("stopped after %.3g s with a request still running (abandoned); removed %s", timeout, self.path)
+        return self._clean
 
     def __enter__(self) -> Daemon:
         return self.start()

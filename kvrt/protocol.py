@@ -1,8 +1,8 @@
 """lmxd's line protocol, parsed strictly and answered in its ``OK …`` / ``ERR …`` form.
 
-One request is one line (``\\n``-terminated UTF-8, at most :data:`MAX_LINE` bytes).
-Verbs: HELP, STATUS, LIST, REGISTER ``<agent_id> <model_path> [n_ctx]``, UNREGISTER
-``<agent_id>``, DECODE ``<agent_id> <n_tokens> <prompt…>``, and kvrt's additions
+One request is one line: ``\\n``-terminated UTF-8 of at most :data:`MAX_LINE` bytes, the
+``\\n`` included. Verbs: HELP, STATUS, LIST, REGISTER ``<agent_id> <model_path> [n_ctx]``,
+UNREGISTER ``<agent_id>``, DECODE ``<agent_id> <n_tokens> <prompt…>``, and kvrt's additions
 METRICS ``[agent_id]``, FORK ``<source_id> <agent_id>`` and QUIT.
 
 Replies keep lmxd's shape (``OK key=value`` lines, ``ERR CODE …`` lines, the generated
@@ -26,7 +26,7 @@ from typing import Any
 from kvrt.errors import KvrtError
 
 SCHEMA = "kvrt-daemon/1"
-MAX_LINE = 1 << 20
+MAX_LINE = 1 << 20  # bytes of one request line, its newline included
 MAX_TOKENS = 1 << 20
 MAX_CTX = 1 << 24
 END = "END"
@@ -104,10 +104,16 @@ def escape_prompt(text: str) -> str:
     return text.replace("\\", "\\\\").replace("\r\n", "\n").replace("\r", "\n").replace("\n", "\\n")
 
 
+def line_too_long(length: int) -> str:
+    """The refusal of a request line of ``length`` bytes (its newline included)."""
+    return f"request line of {length} bytes (newline included) exceeds the limit of {MAX_LINE} bytes"
+
+
 def parse_line(raw: bytes) -> Command:
     """One request line (with or without its ``\\n``) as a :class:`Command`."""
-    if len(raw) > MAX_LINE + 1:
-        raise ProtocolError("LINE_TOO_LONG", f"request line of {len(raw)} bytes exceeds {MAX_LINE}")
+    length = len(raw) + (not raw.endswith(b"\n"))  # as sent, with its newline
+    if length > MAX_LINE:
+        raise ProtocolError("LINE_TOO_LONG", line_too_long(length))
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

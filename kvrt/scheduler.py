@@ -22,6 +22,13 @@ any backlogged agent becomes the minimum after finitely many others' requests.
 
 Every llama.cpp call happens on the scheduler's one worker thread (the device runs one
 decode at a time anyway); other threads only enqueue and wait on futures.
+
+With a ``state_dir`` (:mod:`kvrt.agentstore`) agents outlive the process: an agent's state
+is saved when it is swapped out and, for every agent, when the scheduler closes; a new
+scheduler on the same directory brings them back swapped out, and their next request
+continues from the saved KV exactly as if the process had never stopped. A saved agent
+that cannot be restored (damaged file, changed model, no room) is skipped and listed in
+:attr:`Scheduler.state_problems`.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from kvrt.agentstore import AgentRecord, AgentStore, StateFileError, StateProblem
 from kvrt.context import Context, ContextParams
 from kvrt.errors import KvrtError
 from kvrt.estimate import DeviceMeter, context_estimate
@@ -134,8 +142,10 @@ class _Agent:
     reservation: Reservation | None = None
     snapshot: Snapshot | None = None
     served_tokens: int = 0
+    held_tokens: int = 0  # tokens of its document (updated on the worker; readable from any thread)
     last_used: int = 0
     requests: int = 0
+    persisted: bool = False  # the state dir holds its current state
 
     @property
     def state(self) -> str:
@@ -168,11 +178,13 @@ class Scheduler:
 
     ``ledger`` admits weights and contexts; ``registry`` shares models (one is made on
     ``ledger`` when not given). ``n_threads`` is passed to every context; ``pool`` is
-    the host pool that swapped-out states live in.
+    the host pool that swapped-out states live in. ``state_dir`` keeps agents across
+    restarts: the agents saved there are restored before the constructor returns.
     """
 
     def __init__(self, ledger: VramLedger, registry: ModelRegistry | None = None, *, n_ubatch: int = 512,
-                 n_threads: int | None = None, pool: HostPool | None = None) -> None:
+                 n_threads: int | None = None, pool: HostPool | None = None,
+                 state_dir: str | os.PathLike[str] | None = None) -> None:
         self.ledger = ledger
         self.registry = registry or ModelRegistry(ledger)
         self._owns_registry = registry is None
@@ -185,8 +197,14 @@ class Scheduler:
         self._clock = itertools.count(1)
         self._history: deque[RequestMetrics] = deque(maxlen=HISTORY)
         self._closing = False
+        self._busy = False  # the worker is running a job (set and cleared under the lock)
+        self.store = AgentStore(state_dir) if state_dir is not None else None
+        self.state_problems: list[StateProblem] = []
+        self.state_restored = 0
         self._worker = threading.Thread(target=self._run, name="kvrt-scheduler", daemon=True)
         self._worker.start()
+        if self.store is not None:
+            self._call(self._restore_all)
 
     # -- public API (any thread) --------------------------------------------------------
     def register(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int = 4096) -> dict[str, Any]:
@@ -235,8 +253,7 @@ class Scheduler:
         with self._cond:
             return [{"agent_id": a.agent_id, "model": a.entry.path.name, "n_ctx": a.n_ctx, "state": a.state,
                      "context_bytes": a.context_bytes, "queued": len(a.queue), "requests": a.requests,
-                     "served_tokens": a.served_tokens,
-                     "held_tokens": a.snapshot.n_tokens if a.snapshot is not None else None}
+                     "served_tokens": a.served_tokens, "held_tokens": a.held_tokens}
                     for a in self._agents.values()]
 
     def metrics(self, agent_id: str | None = None) -> dict[str, Any]:
@@ -262,21 +279,47 @@ class Scheduler:
         with self._cond:
             return list(self._history)
 
-    def close(self) -> None:
-        """Finish the running request, fail queued ones, free every context and state."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Fail queued requests, let the running one finish, save (with a state dir) and free every agent.
+
+        Waits at most ``timeout`` seconds (None: as long as it takes) for the running
+        request. Returns False when it was still running then: it is abandoned to the
+        worker, and nothing it might touch (contexts, models, states) is freed or saved.
+        """
         with self._cond:
             if self._closing:
-                return
+                return not self._worker.is_alive()
             self._closing = True
             self._cond.notify_all()
-        self._worker.join()
-        for _, future in self._control:
-            future.set_exception(SchedulerClosed("the scheduler shut down before this call ran"))
+        self._fail_queued()  # at once: the worker starts nothing new once closing is set
+        with self._cond:
+            finished = self._cond.wait_for(lambda: not self._busy, timeout)
+        if not finished:
+            log.warning("scheduler closed with a job still running after %s s: abandoned, its agents neither "
+                        "saved nor freed", timeout)
+            return False
+        self._worker.join()  # idle and told to close: it returns at once
+        for agent in self._agents.values():
+            self._persist(agent)
         for agent in list(self._agents.values()):
             self._teardown(agent, SchedulerClosed("the scheduler shut down before this request ran"))
         self._agents.clear()
+        if self.store is not None:
+            self.store.close()
         if self._owns_registry:
             self.registry.close()
+        return True
+
+    def _fail_queued(self) -> None:
+        """Refuse every call and request not yet started (safe while the worker runs: it pops under the lock)."""
+        with self._cond:
+            while self._control:
+                self._control.popleft()[1].set_exception(
+                    SchedulerClosed("the scheduler shut down before this call ran"))
+            for agent in self._agents.values():
+                while agent.queue:
+                    agent.queue.popleft().future.set_exception(
+                        SchedulerClosed("the scheduler shut down before this request ran"))
 
     def __enter__(self) -> Scheduler:
         return self
@@ -310,10 +353,15 @@ class Scheduler:
                                 key=lambda a: (a.served_tokens, a.context is None, a.last_used))
                     request = agent.queue.popleft()
                     job = functools.partial(self._serve, agent, request)
+                self._busy = True
             try:
                 job()
             except BaseException:  # a bug in one job must not stop every agent's queue
                 log.exception("scheduler job failed")
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
 
     def _serve(self, agent: _Agent, request: _Request) -> None:
         if not request.future.set_running_or_notify_cancel():
@@ -329,6 +377,8 @@ class Scheduler:
             return
         finally:
             agent.last_used = next(self._clock)
+            if agent.context is not None:
+                agent.held_tokens = agent.context.seq_len(0)
         done = time.perf_counter()
         metrics = RequestMetrics(
             agent_id=agent.agent_id, queue_wait_ms=(started - request.submitted) * 1e3,
@@ -350,6 +400,7 @@ class Scheduler:
         """Give ``agent`` a live context holding its document, evicting LRU agents as needed."""
         if agent.context is not None:
             return
+        agent.persisted = False  # it is about to change: the saved state stops being current
         owner = f"agent:{agent.agent_id}"
         while agent.context is None:
             try:
@@ -428,6 +479,7 @@ class Scheduler:
             switch.out_ms += (time.perf_counter() - t0) * 1e3
             switch.out_bytes += victim.snapshot.nbytes
             victim.context.clear()
+        self._persist(victim)
         switch.evicted.append(victim.agent_id)
 
     def _free_context(self, agent: _Agent) -> None:
@@ -440,17 +492,21 @@ class Scheduler:
 
     # -- control operations (worker thread) ------------------------------------------------
     def _register(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int) -> dict[str, Any]:
+        agent = self._admit(agent_id, model_path, n_ctx)
+        with self._cond:
+            self._agents[agent_id] = agent
+        entry = agent.entry
+        return {"agent": agent_id, "model": entry.path.name, "n_ctx": n_ctx, "weights_bytes": entry.reservation.nbytes,
+                "context_bytes": agent.context_bytes, "estimate": entry.estimate_source}
+
+    def _admit(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int) -> _Agent:
+        """A new agent holding a reference to its (loaded) model, once it is known it can ever run."""
         if agent_id in self._agents:
             raise AgentExists(f"agent {agent_id!r} is already registered")
         shape, weight_bytes = self.registry.peek(model_path)
         context_bytes = context_estimate(shape, n_ctx, self.n_ubatch).total_bytes
         self._check_feasible(agent_id, weight_bytes + context_bytes)
-        entry = self.registry.acquire(model_path)
-        agent = _Agent(agent_id, entry, n_ctx, context_bytes)
-        with self._cond:
-            self._agents[agent_id] = agent
-        return {"agent": agent_id, "model": entry.path.name, "n_ctx": n_ctx, "weights_bytes": entry.reservation.nbytes,
-                "context_bytes": context_bytes, "estimate": entry.estimate_source}
+        return _Agent(agent_id, self.registry.acquire(model_path), n_ctx, context_bytes)
 
     def _check_feasible(self, agent_id: str, request_bytes: int) -> None:
         """Refuse an agent that could never run: even with every context swapped out it does not fit."""
@@ -467,6 +523,8 @@ class Scheduler:
         if agent is None:
             raise UnknownAgent(f"no agent {agent_id!r} is registered")
         self._teardown(agent, UnknownAgent(f"agent {agent_id!r} was unregistered before this request ran"))
+        if self.store is not None:
+            self.store.remove(agent_id)
 
     def _teardown(self, agent: _Agent, error: SchedulerError) -> None:
         while agent.queue:
@@ -490,10 +548,64 @@ class Scheduler:
                     if source.context.seq_len(0) > 0 else None)
         self.registry.acquire(source.entry.path)  # one more reference; cannot be refused, it is resident
         agent = _Agent(agent_id, source.entry, source.n_ctx, source.context_bytes, snapshot=snapshot,
-                       served_tokens=source.served_tokens)
+                       served_tokens=source.served_tokens, held_tokens=snapshot.n_tokens if snapshot else 0)
         with self._cond:
             self._agents[agent_id] = agent
         return {"agent": agent_id, "source": source_id, "held_tokens": snapshot.n_tokens if snapshot else 0}
+
+    # -- the state dir (worker thread, or after it stopped) ---------------------------------
+    def _persist(self, agent: _Agent) -> None:
+        """Save ``agent``'s current state unless the store already has it; a failure is logged, not raised."""
+        if self.store is None or agent.persisted:
+            return
+        live = agent.context if agent.context is not None and agent.context.seq_len(0) > 0 else None
+        try:
+            snapshot = Snapshot.capture(live, 0, tier="host", pool=self.pool) if live is not None else agent.snapshot
+            try:
+                record = AgentRecord(agent.agent_id, str(agent.entry.path), agent.entry.model.fingerprint, agent.n_ctx,
+                                     snapshot.n_tokens if snapshot is not None else 0, agent.served_tokens)
+                self.store.save(record, snapshot)
+            finally:
+                if live is not None and snapshot is not None:
+                    snapshot.release()
+        except (KvrtError, OSError) as exc:
+            log.warning("agent %r: state not saved to %s: %s", agent.agent_id, self.store.directory, exc)
+            return
+        agent.persisted = True
+
+    def _restore_all(self) -> None:
+        """Bring back every agent saved in the state dir; each one that cannot be is a logged problem."""
+        assert self.store is not None
+        records, problems = self.store.load()
+        for record in records:
+            try:
+                self._restore(record)
+            except (KvrtError, OSError) as exc:
+                problems.append(StateProblem(record.agent_id, getattr(exc, "file", record.manifest_name), str(exc)))
+            else:
+                self.state_restored += 1
+        for problem in problems:
+            log.warning("saved agent %r not restored (%s): %s", problem.agent_id, problem.file, problem.reason)
+        self.state_problems = problems
+        log.info("restored %d agent(s) from %s, skipped %d", self.state_restored, self.store.directory, len(problems))
+
+    def _restore(self, record: AgentRecord) -> None:
+        """One saved agent back in, swapped out (its KV in host memory); nothing is kept when any check fails."""
+        assert self.store is not None
+        check_agent_id(record.agent_id)
+        agent = self._admit(record.agent_id, record.model_path, record.n_ctx)
+        try:
+            mismatch = record.fingerprint.mismatch(agent.entry.model.fingerprint)
+            if mismatch is not None:
+                raise StateFileError(record.manifest_name, f"model {record.model_path} is not the one agent "
+                                                           f"{record.agent_id!r} was saved with: {mismatch}")
+            agent.snapshot = self.store.load_snapshot(record, self.pool)
+        except BaseException:
+            self.registry.release(agent.entry)
+            raise
+        agent.held_tokens, agent.served_tokens, agent.persisted = record.n_tokens, record.served_tokens, True
+        with self._cond:
+            self._agents[record.agent_id] = agent
 
 
 def _settle(future: Future[T], fn: Callable[[], T]) -> None:

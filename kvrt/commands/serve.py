@@ -3,20 +3,37 @@
 Try it with ``nc -U PATH`` (send HELP). The ledger's cap is ``--admit-percent`` of the
 GPU's memory as NVML reports it; on a machine without one, a stated share of host RAM
 (:mod:`kvrt.budget`), unless ``--capacity-bytes`` fixes it.
-SIGTERM or Ctrl-C shuts down cleanly (the running request finishes, queued ones get
-``ERR SHUTTING_DOWN``, the socket file is removed).
+
+SIGTERM or Ctrl-C shuts down cleanly and within ``--shutdown-timeout-s``: the running
+request finishes, queued ones get ``ERR SHUTTING_DOWN``, agents are saved (with
+``--state-dir``), the socket file is removed, exit status 0. A request still running at
+the timeout is abandoned (exit status 1); a second signal during shutdown exits at once
+(status 1). With ``--state-dir`` a restarted daemon brings every saved agent back.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import signal
+import sys
 import threading
+import time
+from types import FrameType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvrt.daemon import Daemon
 
 HELP = "serve agents over a Unix socket (lmxd's protocol)"
+_SIGNAL_POLL_S = 0.2
+log = logging.getLogger("kvrt.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvrt.daemon import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_STOP_TIMEOUT_S
+
     parser.add_argument("--socket", required=True, help="Unix socket path (created 0600)")
     parser.add_argument("--capacity-bytes", type=int, default=None,
                         help="fixed ledger cap in bytes (default: the GPU's memory, or half the host RAM "
@@ -26,6 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reconcile-s", type=float, default=5.0, help="re-read NVML every this many seconds")
     parser.add_argument("--n-gpu-layers", type=int, default=-1, help="layers to offload (-1: all)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per context")
+    parser.add_argument("--state-dir", default=None,
+                        help="keep agents across restarts: their state is saved here (on swap-out and at shutdown) "
+                             "and restored at start")
+    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                        help="clients served at once; more get ERR TOO_MANY_CONNECTIONS")
+    parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
+                        help="close a connection silent this long, with ERR IDLE_TIMEOUT (0: never)")
+    parser.add_argument("--shutdown-timeout-s", type=float, default=DEFAULT_STOP_TIMEOUT_S,
+                        help="on SIGTERM, wait at most this long for the running request")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -36,27 +62,70 @@ def run(args: argparse.Namespace) -> int:
     from kvrt.registry import ModelRegistry
     from kvrt.scheduler import Scheduler
 
+    signals = _Signals()
     table = load_vram_table(args.vram_table) if args.vram_table else None
     budget = choose_budget(args.capacity_bytes, args.admit_percent)
     ledger = VramLedger(budget.capacity_bytes, admit_percent=args.admit_percent,
                         reconcile_every_s=args.reconcile_s if budget.source == "nvml" else None)
     scheduler = Scheduler(ledger, ModelRegistry(ledger, n_gpu_layers=args.n_gpu_layers, table=table),
-                          n_threads=args.threads)
+                          n_threads=args.threads, state_dir=args.state_dir)
     try:
-        daemon = Daemon(args.socket, scheduler, budget=budget)
+        daemon = Daemon(args.socket, scheduler, budget=budget, max_connections=args.max_connections,
+                        idle_timeout_s=args.idle_timeout_s or None)
     except BaseException:
         scheduler.close()
         raise
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     daemon.start()
     print(f"kvrt serve: listening on {daemon.path} (ledger max {ledger.max_bytes} B from {budget.source}: "
           f"{budget.reason})", flush=True)
-    try:
-        stop.wait()
-    finally:
-        daemon.stop()
-        scheduler.registry.close()
-        ledger.close()
+    signals.wait_for_first()
+    if not _stop_within(daemon, args.shutdown_timeout_s, signals):
+        _exit_now(1)  # a request is still inside llama.cpp: freeing models or tearing down Python under it could crash
+    scheduler.registry.close()
+    ledger.close()
     return 0
+
+
+
+class _Signals:
+    """Counts SIGTERM and SIGINT; the main thread polls the count.
+
+    Polling because a process signal may be delivered to any thread, and then it does not
+    wake a main thread blocked without a timeout; the handler only counts (taking a lock
+    in a signal handler can deadlock against the code it interrupted).
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.count += 1
+
+    def wait_for_first(self) -> None:
+        while not self.count:
+            time.sleep(_SIGNAL_POLL_S)
+
+
+def _stop_within(daemon: Daemon, timeout_s: float, signals: _Signals) -> bool:
+    """Stop ``daemon`` on a helper thread, so the main thread keeps seeing signals: a second one exits at once."""
+    first = signals.count
+    outcome: list[bool] = []
+    stopper = threading.Thread(target=lambda: outcome.append(daemon.stop(timeout_s)), name="kvrt-serve-stop")
+    stopper.start()
+    while stopper.is_alive():
+        stopper.join(_SIGNAL_POLL_S)
+        if signals.count > first and stopper.is_alive():
+            log.warning("second signal during shutdown: exiting now, without waiting for the running request")
+            daemon.path.unlink(missing_ok=True)
+            _exit_now(1)
+    return bool(outcome and outcome[0])
+
+
+def _exit_now(status: int) -> None:
+    """End the process at once (no interpreter teardown), output flushed."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
