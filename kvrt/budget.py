@@ -49,6 +49,6 @@ def choose_budget(
     gpus = gpu_count()
     if gpus:
         return Budget("nvml", None, admit_percent, f"{gpus} NVIDIA GPU(s) visible through NVML")
-    share = int(ram_bytes() * HOST_RAM_SHARE_PERCENT / 100)
-    return Budget("host_ram", share, HOST_RAM_SHARE_PERCENT,
-                  f"no NVIDIA GPU visible: {HOST_RAM_SHARE_PERCENT:g} % of this machine's {ram_bytes()} B of RAM")
+    ram = ram_bytes()
+    return Budget("host_ram", int(ram * HOST_RAM_SHARE_PERCENT / 100), HOST_RAM_SHARE_PERCENT,
+                  f"no NVIDIA GPU visible: {HOST_RAM_SHARE_PERCENT:g} % of this machine's {ram} B of RAM")

@@ -27,9 +27,10 @@ def test_a_gpu_machine_keeps_the_nvml_cap() -> None:
 
 
 def test_without_a_gpu_the_budget_is_a_share_of_host_ram() -> None:
-    budget = choose_budget(None, 90.0, gpu_count=lambda: 0, ram_bytes=lambda: 8 << 30)
+    readings = iter([8 << 30])  # RAM is read once: the cap and the reason state the same number
+    budget = choose_budget(None, 90.0, gpu_count=lambda: 0, ram_bytes=lambda: next(readings))
     assert (budget.source, budget.capacity_bytes) == ("host_ram", int((8 << 30) * HOST_RAM_SHARE_PERCENT / 100))
-    assert "no NVIDIA GPU" in budget.reason
+    assert "no NVIDIA GPU" in budget.reason and str(8 << 30) in budget.reason
 
 
 def test_host_ram_is_read() -> None:
