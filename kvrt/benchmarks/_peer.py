@@ -10,9 +10,6 @@ cached prefix than the live context holds, reuses the live context's matching pr
 (``kv_cache_seq_rm`` past it) and evaluates the rest, and after every completion saves
 the whole state (KV plus its ``n_batch x n_vocab`` logits array) into the cache. Its
 contexts are its own: one ``llama_context`` per ``Llama``.
-
-Importing llama_cpp installs its own llama.cpp log callback for the whole process, so
-in a process that built a peer kvrt's error messages carry fewer llama.cpp lines.
 """
 
 from __future__ import annotations

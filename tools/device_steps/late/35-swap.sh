@@ -12,4 +12,4 @@ mkdir -p "$OUT_DIR"
 [ -f "$MODEL" ] || { echo "missing $MODEL"; exit 1; }
 python3 -m kvrt.cli bench agents --out "$OUT_DIR" --parts swap --swap-model "$MODEL" --models "$MODEL,$MODEL,$MODEL" \
   --swap-docs "${SWAP_DOCS:-4096,32768}" --trials 3 --swap-peers ram,disk --peer-disk-max-tokens 8192 \
-  --flash-attn off 2>&1 | grep -v 'LlamaDiskCache\|^ *["{}]\|^ *\[\|^ *\]' | tee "$OUT_DIR/swap.log"
+  --flash-attn "${FLASH_ATTN:-off}" 2>&1 | grep -v 'LlamaDiskCache\|^ *["{}]\|^ *\[\|^ *\]' | tee "$OUT_DIR/swap.log"
