@@ -4,6 +4,7 @@ clients, restarts with saved agents, and the exact request-line limit (CPU llama
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -407,3 +408,15 @@ def test_one_state_dir_serves_one_daemon(tmp_path):
     with Scheduler(VramLedger(1 << 30), n_threads=1, state_dir=tmp_path / "state"):
         with pytest.raises(AgentStoreError, match="in use"):
             Scheduler(VramLedger(1 << 30), n_threads=1, state_dir=tmp_path / "state")
+
+
+# -- 8. a short soak ------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_short_soak_finds_no_lost_or_mixed_up_replies(tmp_path):
+    tool = Path(__file__).resolve().parents[1] / "tools" / "soak_daemon.py"
+    out = tmp_path / "soak.json"
+    done = subprocess.run([sys.executable, str(tool), "--duration-s", "5", "--clients", "8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["violations"] == {} and summary["requests"] > 0 and summary["restart"]["same_tokens_held"]
