@@ -441,6 +441,10 @@ def _as_path(value: object, doing: str) -> Path:
         raise SnapshotError(f"cannot {doing} {value!r}: not a usable path ({exc})") from None
     if "\0" in str(path):
         raise SnapshotError(f"cannot {doing} {str(path)!r}: a path cannot contain a NUL character")
+    try:
+        os.fsencode(path)
+    except UnicodeEncodeError as exc:
+        raise SnapshotError(f"cannot {doing} {str(path)!r}: the file system cannot encode this path ({exc.reason})") from None
     return path
 
 

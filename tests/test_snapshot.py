@@ -335,7 +335,8 @@ def test_load_of_a_missing_file_names_it(tmp_path):
         Snapshot.load(tmp_path / "gone.kvs")
 
 
-@pytest.mark.parametrize("bad", [None, 42, b"doc.kvs", "a\0b"], ids=["none", "int", "bytes", "nul"])
+@pytest.mark.parametrize("bad", [None, 42, b"doc.kvs", "a\0b", "\ud800.kvs"], ids=["none", "int", "bytes", "nul",
+                                                                             "lone-surrogate"])
 def test_paths_that_are_not_paths_are_refused(snapshot, bad):
     with pytest.raises(SnapshotError, match="path"):
         snapshot.save(bad)
