@@ -58,7 +58,10 @@ def check_real(value: object, what: str, *, low: float = -math.inf, high: float 
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise error(f"{what} must be a number, got {shown(value)}")
-    x = float(value)
+    try:
+        x = float(value)
+    except OverflowError:  # an int or Fraction past the float range
+        raise error(f"{what} must be a finite number, got {shown(value)}") from None
     if not math.isfinite(x):
         raise error(f"{what} must be a finite number, got {x}")
     if (x <= low if low_open else x < low) or (x >= high if high_open else x > high):

@@ -178,6 +178,7 @@ def validate_owner(owner: object) -> str:
 
 
 def _validate_interval(every_s: object) -> float:
+    """A reconcile interval: finite, positive seconds (a NaN or infinite wait would kill the timer thread)."""
     return check_real(every_s, "reconcile interval (s)", low=0.0, high=float(10**9), low_open=True,
                       error=LedgerError)
 

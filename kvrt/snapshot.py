@@ -444,7 +444,8 @@ def _as_path(value: object, doing: str) -> Path:
     try:
         os.fsencode(path)
     except UnicodeEncodeError as exc:
-        raise SnapshotError(f"cannot {doing} {str(path)!r}: the file system cannot encode this path ({exc.reason})") from None
+        raise SnapshotError(f"cannot {doing} {str(path)!r}: the file system cannot encode this path "
+                            f"({exc.reason})") from None
     return path
 
 

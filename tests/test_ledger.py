@@ -89,7 +89,8 @@ class LedgerMachine(RuleBasedStateMachine):
         if reservation is not None:
             self.refused(lambda: setattr(reservation, name, value), AttributeError)
 
-    @rule(reservation=reservations, slot=st.sampled_from([s for s in Reservation.__slots__ if not s.startswith("__")]), value=JUNK)
+    @rule(reservation=reservations, slot=st.sampled_from([s for s in Reservation.__slots__ if not s.startswith("__")]),
+          value=JUNK)
     def writing_a_private_field_moves_nothing(self, reservation: Reservation | None, slot: str, value: object):
         if reservation is None:
             return
@@ -116,7 +117,8 @@ class LedgerMachine(RuleBasedStateMachine):
     def foreign_and_forged_receipts_are_refused(self, nbytes: int):
         foreign = self.other.try_reserve(nbytes, "stranger")
         forged = Reservation(foreign.id, "stranger", nbytes)
-        for receipt, why in ((foreign, "another ledger"), (forged, "built by hand"), (nbytes, "expected a Reservation")):
+        receipts = ((foreign, "another ledger"), (forged, "built by hand"), (nbytes, "expected a Reservation"))
+        for receipt, why in receipts:
             self.refused(lambda: self.ledger.release(receipt), match=why)  # type: ignore[arg-type]
             self.refused(lambda: self.ledger.resize(receipt, 0), match=why)  # type: ignore[arg-type]
             self.refused(lambda: self.ledger.transfer(receipt, "x"), match=why)  # type: ignore[arg-type]

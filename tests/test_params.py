@@ -85,6 +85,8 @@ def test_check_helpers_name_the_argument_and_the_value():
         check_real(0, "x", low=0.0, high=1.0, low_open=True)
     with pytest.raises(InvalidArgument, match="x must be a finite number, got nan"):
         check_real(float("nan"), "x", low=0.0, high=1.0)
+    with pytest.raises(InvalidArgument, match="x must be a finite number, got int 1000"):
+        check_real(10**400, "x")
     with pytest.raises(InvalidArgument, match="surrogates not allowed '\\\\ud800' at character 2"):
         check_text("ab\ud800", "t")
     assert check_tokens(np.arange(3), "ids", 10) == [0, 1, 2]
