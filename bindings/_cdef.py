@@ -243,6 +243,14 @@ void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
 void llama_sampler_reset(struct llama_sampler * smpl);
 void llama_sampler_free(struct llama_sampler * smpl);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
+typedef struct llama_token_data { llama_token id; float logit; float p; } llama_token_data;
+typedef struct llama_token_data_array {
+    llama_token_data * data;
+    size_t size;
+    int64_t selected;
+    bool sorted;
+} llama_token_data_array;
+void llama_sampler_apply(struct llama_sampler * smpl, llama_token_data_array * cur_p);
 struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab, const char * grammar_str,
                                                   const char * grammar_root);
 struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n, float penalty_repeat,
