@@ -33,58 +33,21 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
-
 from kvrt.batch import Batch
-from kvrt.context import Context, ContextParams
+from kvrt.context import Context
+from kvrt.engine_admission import EngineConfig, Pending, check_fits, check_tokens, place
 from kvrt.engine_live import Choice, Live
 from kvrt.engine_request import (ChoiceEnd, EngineClosed, EngineError, EngineOverloaded, Request, RequestEnd,
                                  RequestStream, RequestTooLarge, TokenEvent, token_logprobs)
 from kvrt.errors import DecodeError, KvrtError
-from kvrt.generation import GenerationParams, SequenceStream
+from kvrt.generation import GenerationParams
 from kvrt.model import Model
 from kvrt.prefix_cache import PrefixCache
 from kvrt.sampling import Sampler
 
 log = logging.getLogger(__name__)
 
-LLAMA_MAX_SEQ = 256
 _IDLE_WAIT_S = 0.5  # an idle worker re-checks deadlines this often (never part of any assertion)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The engine's context and scheduling limits.
-
-    ``n_ctx`` cells are shared by all ``n_seq_max`` slots; ``n_batch`` bounds the tokens
-    of one step (every decoding choice takes one, so it must be >= ``n_seq_max``);
-    ``prefill_chunk`` bounds one request's prompt tokens per step; ``max_queue`` the
-    requests waiting for admission before :class:`EngineOverloaded`.
-    """
-
-    n_ctx: int = 4096
-    n_seq_max: int = 8
-    n_batch: int = 512
-    prefill_chunk: int = 256
-    max_queue: int = 64
-    n_threads: int | None = None
-    flash_attn: str = "auto"
-
-    def __post_init__(self) -> None:
-        for name in ("n_ctx", "n_seq_max", "n_batch", "prefill_chunk", "max_queue"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise EngineError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
-        if self.n_seq_max > LLAMA_MAX_SEQ:
-            raise EngineError(f"n_seq_max={self.n_seq_max} exceeds llama.cpp's {LLAMA_MAX_SEQ} sequences")
-        if self.n_batch < self.n_seq_max:
-            raise EngineError(f"n_batch ({self.n_batch}) must be >= n_seq_max ({self.n_seq_max}): every decoding "
-                              "sequence puts one token into each step's batch")
-
-    def context_params(self) -> ContextParams:
-        return ContextParams(n_ctx=self.n_ctx, n_batch=self.n_batch, n_ubatch=min(self.n_batch, 512),
-                             n_seq_max=self.n_seq_max, kv_unified=True, n_threads=self.n_threads,
-                             flash_attn=self.flash_attn)
 
 
 @dataclass(frozen=True)
@@ -114,13 +77,6 @@ class _Row:
     p1: int = 0
 
 
-@dataclass
-class _Pending:
-    stream: RequestStream
-    samplers: list[Sampler]
-    pin: bool = False
-
-
 class Engine:
     """Continuous batching over one model (see the module docstring); use as a context manager."""
 
@@ -137,7 +93,7 @@ class Engine:
             self.ctx.close()
             raise
         self._lock = threading.Lock()
-        self._queue: deque[_Pending] = deque()
+        self._queue: deque[Pending] = deque()
         self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._live: list[Live] = []
         self._pins: dict[str, int] = {}
@@ -159,13 +115,13 @@ class Engine:
         Raises :class:`RequestTooLarge` for what can never fit, :class:`EngineOverloaded`
         when ``max_queue`` requests already wait, and the sampler's error for a bad grammar.
         """
-        self._check_fits(request)
+        check_fits(request, self.n_cells, self.cache.n_slots, self.model.n_vocab)
         samplers: list[Sampler] = []
         try:
             for i in range(request.n):
                 sampling = request.params.sampling
                 samplers.append(Sampler(replace(sampling, seed=(sampling.seed + i) % 2**32), model=self.model))
-            return self._enqueue(_Pending(self._stream("req", request, notify), samplers))
+            return self._enqueue(Pending(self._stream("req", request, notify), samplers))
         except BaseException:
             for sampler in samplers:
                 sampler.close()
@@ -179,8 +135,8 @@ class Engine:
         request = Request(tokens, GenerationParams(max_tokens=1))
         if len(request.prompt) > self.n_cells:
             raise RequestTooLarge(f"a pin of {len(request.prompt)} tokens exceeds the context's {self.n_cells} cells")
-        self._check_tokens(request)
-        return self._enqueue(_Pending(self._stream("pin", request, notify), [], pin=True))
+        check_tokens(request, self.model.n_vocab)
+        return self._enqueue(Pending(self._stream("pin", request, notify), [], pin=True))
 
     def unpin(self, pin_id: str) -> Future[bool]:
         """Let a pinned prefix be evicted again; the future says whether ``pin_id`` was pinned."""
@@ -210,29 +166,10 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check_tokens(self, request: Request) -> None:
-        prompt = np.asarray(request.prompt, dtype=np.int64)
-        bad = np.flatnonzero((prompt < 0) | (prompt >= self.model.n_vocab))
-        if bad.size:
-            raise EngineError(f"prompt token {int(prompt[bad[0]])} at position {int(bad[0])} is outside the "
-                              f"vocabulary [0, {self.model.n_vocab})")
-
-    def _check_fits(self, request: Request) -> None:
-        n, limit, prompt = request.n, request.params.max_tokens, len(request.prompt)
-        if prompt + limit > self.n_cells:
-            raise RequestTooLarge(f"prompt ({prompt} tokens) + max_tokens ({limit}) = {prompt + limit} exceeds "
-                                  f"the context's {self.n_cells} cells")
-        if request.cells > self.n_cells:
-            raise RequestTooLarge(f"prompt ({prompt} tokens) + n ({n}) x max_tokens ({limit}) = {request.cells} "
-                                  f"cells exceed the context's {self.n_cells}")
-        if n > self.cache.n_slots:
-            raise RequestTooLarge(f"n={n} choices need {n} sequence slots; the engine has {self.cache.n_slots}")
-        self._check_tokens(request)
-
     def _stream(self, kind: str, request: Request, notify: Callable[[], None] | None) -> RequestStream:
         return RequestStream(f"{kind}-{next(self._ids)}", request, notify=notify, on_cancel=self._wake.set)
 
-    def _enqueue(self, pending: _Pending) -> RequestStream:
+    def _enqueue(self, pending: Pending) -> RequestStream:
         with self._lock:
             if self._closing:
                 raise EngineClosed("the engine is closed")
@@ -316,7 +253,8 @@ class Engine:
                     return
                 pending = self._queue[0]
             try:
-                live = self._place(pending)
+                reserved = sum(live.future_cells() for live in self._live)
+                live = place(self.cache, self.model, pending, reserved)
             except RequestTooLarge as exc:
                 with self._lock:
                     self._queue.popleft()
@@ -326,47 +264,8 @@ class Engine:
                 return
             with self._lock:
                 self._queue.popleft()
+            self._reused += live.reused
             self._live.append(live)
-
-    def _place(self, pending: _Pending) -> Live | None:
-        """Slots and the cached prefix for ``pending``; ``None`` while they are not free yet."""
-        request, cache = pending.stream.request, self.cache
-        prompt = request.prompt
-        src, m = cache.longest_prefix(prompt)
-        m = min(m, len(prompt) - (0 if pending.pin else 1))  # a choice samples the last prompt token's logits
-        src = src if m > 0 else None
-        new_cells = len(prompt) - m + (0 if pending.pin else request.n * request.params.max_tokens)
-        slots_needed = 1 if pending.pin else request.n
-        pinned = len(cache.pinned)
-        if slots_needed + pinned + (1 if pending.pin else 0) > cache.n_slots:
-            raise RequestTooLarge(f"{slots_needed} slot(s) needed, {pinned} of the engine's {cache.n_slots} "
-                                  f"are pinned{' (a pin must leave one slot unpinned)' if pending.pin else ''}")
-        own = new_cells + (0 if src in cache.pinned else m)  # a pinned source's cells are the pin's
-        beside_pins = cache.n_cells - cache.pinned_cells()
-        if own > beside_pins:
-            raise RequestTooLarge(f"the request needs {own} cells; {beside_pins} of the context's "
-                                  f"{cache.n_cells} are not held by pinned prefixes")
-        reserved = sum(live.future_cells() for live in self._live)
-        free = cache.cells_if_evicted(keep=(src, m) if src is not None else None)
-        if cache.available_slots() < slots_needed or free - reserved < new_cells:
-            return None
-        first = cache.claim(avoid=src)
-        if first is None:  # only the source slot itself is free to take: continue in it
-            assert src is not None
-            first = src
-            cache.take_over(src, m)
-        elif src is not None:
-            cache.copy_prefix(src, first, 0, m)
-        live = Live(request, pending.stream, first, reused=m, pin=pending.pin, prefilled=m)
-        for i, sampler in enumerate(pending.samplers):
-            slot = first if i == 0 else cache.claim()
-            assert slot is not None  # available_slots() counted them
-            if i > 0:
-                cache.copy_prefix(first, slot, 0, m)
-            live.choices.append(Choice(i, slot, sampler, SequenceStream(self.model, request.params), pos=m))
-        cache.evict_until(new_cells + reserved)
-        self._reused += m
-        return live
 
     def _fill(self) -> list[_Row]:
         """This step's batch: every decoding choice's token, then prompt chunks within the budget."""
@@ -495,7 +394,7 @@ class Engine:
         completion = sum(len(c.stream.tokens) for c in live.choices)
         live.stream.push(RequestEnd(len(live.prompt), live.reused, completion, error))
 
-    def _end_pending(self, pending: _Pending, reason: str, error: KvrtError | None = None) -> None:
+    def _end_pending(self, pending: Pending, reason: str, error: KvrtError | None = None) -> None:
         for sampler in pending.samplers:
             sampler.close()
         request = pending.stream.request
