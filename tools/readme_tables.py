@@ -98,7 +98,7 @@ def sweep_h200(folder: str) -> str:
 def sweep_cpu(folder: str) -> str:
     parts = []
     for n in (32, 8):
-        sh = point(folder, "fanout/fanout.json", 512, n, "shared")
+        sh = point(folder, "fanout-sweep/fanout.json", 512, n, "shared")
         parts.append(f"{n} x 512: {ranged(sh, 'Speedup_Vs_Baseline', fmt='.1f')}, {sh['Fraction_Of_Ideal']:.2f} of the "
                      f"ideal, {sh['Speedup_Vs_Peer_Ram']:.1f}x the peer")
     return "; ".join(parts)
@@ -155,60 +155,78 @@ def elastic_growth(folder: str) -> str:
 
 
 def simulated(folder: str) -> str:
-    b = load(folder, "elastic/elastic-b-simulation.json")["result"]
+    data = load(folder, "elastic/elastic-b-simulation.json")
+    b, host = data["result"], data["meta"]["driver"] == "host"
     h, idle = b["headline"], b["idle_coresidence"]
-    return (f"p99 TTFT static / elastic {h['p99_ttft_ratio']:.2f}x where static starts to queue (load "
+    return (("harness check, memory operations host bookkeeping: " if host else "real VMM operations: ")
+            + f"p99 TTFT static / elastic {h['p99_ttft_ratio']:.2f}x where static starts to queue (load "
             f"{h['load']}); idle co-resident {idle['static_models']} vs {idle['elastic_idle_tenants']}")
 
 
 # -- the tables ------------------------------------------------------------------------------
 @dataclass(frozen=True)
+class Cell:
+    """How one machine's cell of a row is made: the function and the files (in that machine's folder) it reads."""
+
+    render: Callable[[str], str]
+    files: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Row:
     what: str
-    h200: Callable[[str], str] | None
-    cpu: Callable[[str], str] | None
+    h200: Cell | None
+    cpu: Cell | None
     seed: str
-    data: tuple[str, ...]
+
+
+def _same(render: Callable[[str], str], *files: str) -> tuple[Cell, Cell]:
+    return Cell(render, files), Cell(render, files)
 
 
 ROWS = (
     Row("two agents over a 3,501-token document, end to end vs the warm baseline (bound 2), and the ideal",
-        fanout_headline, fanout_headline, "SwarmKV 1.95x (against fresh contexts)", ("fanout/fanout.json",)),
+        *_same(fanout_headline, "fanout/fanout.json"), "SwarmKV 1.95x (against fresh contexts)"),
     Row("the same, against llama-cpp-python `Llama` + `LlamaRAMCache` / `LlamaDiskCache`, same tokens",
-        fanout_peer, fanout_peer, "-", ("fanout/fanout.json",)),
-    Row("branch-2 activation (lease + restore + prompt + first token, isolated)", activation, activation,
-        "SwarmKV 83 ms (context allocation, copy, restore, decode; GTX 1080)", ("fanout/fanout.json",)),
-    Row("N branches, end to end vs the warm baseline measured at every point (bound N)", sweep_h200, sweep_cpu,
-        "branches take turns under a lock", ("fanout/fanout.json", "fanout-long/fanout.json")),
-    Row("agent switch: swap-in vs the ideal transfer, re-prefill and the peer", lambda f: swap(f, 32768),
-        lambda f: swap(f, 4096), "-", ("swap/agents.json",)),
-    Row("50 agents over 3 models time-sliced, vs back to back", timeslice, timeslice, "lmxd: one active context",
-        ("timeslice/agents.json",)),
-    Row("three models each asking for a huge context", coresidence, None, "lmxd: file size x 1.5 estimates",
-        ("coresidence/agents.json",)),
-    Row("layer streaming at balance, vs serial", stream, None, "lmxd 1.285x / 1.47x (GTX 1080)",
-        ("stream/fma32/stream-fma-n32.json", "stream/layer16/stream-layer-n16.json")),
+        *_same(fanout_peer, "fanout/fanout.json"), "-"),
+    Row("branch-2 activation (lease + restore + prompt + first token, isolated)",
+        *_same(activation, "fanout/fanout.json"), "SwarmKV 83 ms (context allocation, copy, restore, decode; GTX 1080)"),
+    Row("N branches, end to end vs the warm baseline measured at every point (bound N)",
+        Cell(sweep_h200, ("fanout/fanout.json", "fanout-long/fanout.json")),
+        Cell(sweep_cpu, ("fanout-sweep/fanout.json",)), "branches take turns under a lock"),
+    Row("agent switch: swap-in vs the ideal transfer, re-prefill and the peer",
+        Cell(lambda f: swap(f, 32768), ("swap/agents.json",)), Cell(lambda f: swap(f, 4096), ("swap/agents.json",)),
+        "-"),
+    Row("50 agents over 3 models time-sliced, vs back to back", *_same(timeslice, "timeslice/agents.json"),
+        "lmxd: one active context"),
+    Row("three models each asking for a huge context", Cell(coresidence, ("coresidence/agents.json",)), None,
+        "lmxd: file size x 1.5 estimates"),
+    Row("layer streaming at balance, vs serial",
+        Cell(stream, ("stream/fma32/stream-fma-n32.json", "stream/layer16/stream-layer-n16.json")), None,
+        "lmxd 1.285x / 1.47x (GTX 1080)"),
     Row("several real models, a real bursty trace, one KV cap: static reservation vs elastic contexts", None,
-        multimodel, "kvcached: 1.2x-28x TTFT", ("multimodel/multimodel.json",)),
-    Row("llama.cpp context grown on demand (256 cells up) vs fixed", None, elastic_growth,
-        "llama.cpp: KV for the whole `n_ctx` up front", ("elastic/elastic-c.json",)),
+        Cell(multimodel, ("multimodel/multimodel.json",)), "kvcached: 1.2x-28x TTFT"),
+    Row("llama.cpp context grown on demand (256 cells up) vs fixed", None,
+        Cell(elastic_growth, ("elastic/elastic-c.json",)), "llama.cpp: KV for the whole `n_ctx` up front"),
 )
 SIMULATED_ROWS = (
-    Row("SIMULATION: 12 models' KV pages on demand (CUDA VMM) under 16 GiB, compute modelled", simulated, simulated,
-        "kvcached: 1.2x-28x TTFT", ("elastic/elastic-b-simulation.json",)),
+    Row("SIMULATION: 12 models' KV pages on demand (CUDA VMM) under 16 GiB, compute modelled",
+        *_same(simulated, "elastic/elastic-b-simulation.json"), "kvcached: 1.2x-28x TTFT"),
 )
 
 
-def _cell(fn: Callable[[str], str] | None, folder: str, row: Row) -> str:
-    """The cell of ``row`` for ``folder``: "not run" where the machine has no such data."""
-    if fn is None or not (RESULTS / folder / row.data[0]).exists():
-        return "not run"
-    return fn(folder)
+def _has(cell: Cell | None, folder: str) -> bool:
+    return cell is not None and all((RESULTS / folder / name).exists() for name in cell.files)
+
+
+def _cell(cell: Cell | None, folder: str) -> str:
+    """A machine's cell: "not run" where that machine has no such data."""
+    return cell.render(folder) if cell is not None and _has(cell, folder) else "not run"
 
 
 def _data(row: Row) -> str:
-    links = [f"[{m}](bench/results/{m}/{row.data[0].split('/')[0]})" for m in (H200, CPU)
-             if (RESULTS / m / row.data[0]).exists()]
+    links = [f"[{m}](bench/results/{m}/{sorted({f.split('/')[0] for f in cell.files})[0]})"
+             for m, cell in ((H200, row.h200), (CPU, row.cpu)) if cell is not None and _has(cell, m)]
     return ", ".join(links) or "-"
 
 
@@ -216,8 +234,7 @@ def table(rows: tuple[Row, ...]) -> str:
     lines = ["| what | H200 (Qwen2.5-7B shape, F16) | CPU (2-core VM) | the seed system | data |",
              "|---|---|---|---|---|"]
     for row in rows:
-        lines.append(f"| {row.what} | {_cell(row.h200, H200, row)} | {_cell(row.cpu, CPU, row)} | {row.seed} | "
-                     f"{_data(row)} |")
+        lines.append(f"| {row.what} | {_cell(row.h200, H200)} | {_cell(row.cpu, CPU)} | {row.seed} | {_data(row)} |")
     return "\n".join(lines)
 
 
