@@ -43,8 +43,8 @@ from kvrt.model import Model
 __all__ = ["Baseline", "fox_document", "run_baseline"]  # kvrt demo and bench_snapshot use these
 
 HELP = "fan-out: kvrt vs a warm baseline, llama-cpp-python's prompt cache and the ideal; SwarmKV's table and a sweep"
-IDEAL = ("one prefill + one decode of all branches from a free fork (the faster of batched and each branch alone, "
-         "--ideal-decode), measured in the same run")
+IDEAL = ("one prefill + one decode of all branches from a free fork, measured in the same run (--ideal-decode best: "
+         "the faster prefill and the faster decode of a batched and a one-sequence strategy)")
 HEADLINE_ARMS = ",".join(ARMS)
 SWEEP_ARMS = "baseline,peer-ram,isolated,shared,ideal"
 
@@ -72,8 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shared mode: seq_cp each prefill chunk to the branches as it is decoded, or the whole "
                              "document after the prefill")
     parser.add_argument("--ideal-decode", choices=IDEAL_DECODES, default="best",
-                        help="the ideal's decode: the faster of one batched decode and each branch alone (best), or "
-                             "the batched decode only (where batching wins by far, as on a GPU)")
+                        help="the ideal: the faster prefill and decode of a batched strategy (shared context) and a "
+                             "one-sequence one (branches one after another), or the batched one only (where batching "
+                             "wins by far, as on a GPU)")
     parser.add_argument("--bound-tolerance", type=float, default=DEFAULT_TOLERANCE,
                         help="relative slack before a figure past its physical bound fails the run")
 
