@@ -84,7 +84,8 @@ def test_stream_bounds_hold_the_ideal_and_the_pipeline_bound():
                          ids=lambda p: str(p.relative_to(RESULTS)))
 def test_committed_results_passed_their_bounds(bounds_file: Path):
     data = json.loads(bounds_file.read_text())
-    bad = [b for b in data["bounds"] if Bound(b["figure"], b["value"], b["bound"], b["why"]).exceeded(data["tolerance"])]
+    bad = [b for b in data["bounds"]
+           if Bound(b["figure"], b["value"], b["bound"], b["why"]).exceeded(data["tolerance"])]
     assert data["violated"] == 0 and not bad
 
 

@@ -110,8 +110,9 @@ def swap(folder: str, doc: int) -> str:
     ideal = "pinned H2D" if row["ideal_kind"].startswith("pinned") else "memcpy"
     return (f"{doc:,} tokens ({k['state_bytes'] / 1e6:,.0f} MB): swap-in {k['swap_in_kept_ms']:.1f} ms "
             f"[{k['swap_in_kept_ms_min']:.1f}-{k['swap_in_kept_ms_max']:.1f}] = **{k['fraction_of_ideal']:.2f} of the "
-            f"ideal** ({ideal} {k['ideal_ms']:.1f} ms, {k['ideal_gbps']:.1f} GB/s); re-prefill {k['reprefill_ms']:,.0f} ms"
-            f"; peer `load_state` {ram['swap_in_ms']:,.0f} ms (kvrt {ram['kvrt_swap_in_speedup']:.1f}x faster)")
+            f"ideal** ({ideal} {k['ideal_ms']:.1f} ms, {k['ideal_gbps']:.1f} GB/s); re-prefill "
+            f"{k['reprefill_ms']:,.0f} ms; peer `load_state` {ram['swap_in_ms']:,.0f} ms (kvrt "
+            f"{ram['kvrt_swap_in_speedup']:.1f}x faster)")
 
 
 def timeslice(folder: str) -> str:
@@ -151,7 +152,8 @@ def elastic_growth(folder: str) -> str:
     c = load(folder, "elastic/elastic-c.json")["result"]
     arm = c["per_arm"][c["headline_arm"]]
     return (f"growth on the request's path **{100 * arm['growth_over_prefill']:.2f} %** of the prefill, time per "
-            f"token {arm['tpot_ratio_elastic_over_fixed']:.3f}x the fixed context's, same tokens: {arm['tokens_equal']}")
+            f"token {arm['tpot_ratio_elastic_over_fixed']:.3f}x the fixed context's, same tokens: "
+            f"{arm['tokens_equal']}")
 
 
 def simulated(folder: str) -> str:
@@ -190,7 +192,8 @@ ROWS = (
     Row("the same, against llama-cpp-python `Llama` + `LlamaRAMCache` / `LlamaDiskCache`, same tokens",
         *_same(fanout_peer, "fanout/fanout.json"), "-"),
     Row("branch-2 activation (lease + restore + prompt + first token, isolated)",
-        *_same(activation, "fanout/fanout.json"), "SwarmKV 83 ms (context allocation, copy, restore, decode; GTX 1080)"),
+        *_same(activation, "fanout/fanout.json"),
+        "SwarmKV 83 ms (context allocation, copy, restore, decode; GTX 1080)"),
     Row("N branches, end to end vs the warm baseline measured at every point (bound N)",
         Cell(sweep_h200, ("fanout/fanout.json", "fanout-long/fanout.json")),
         Cell(sweep_cpu, ("fanout-sweep/fanout.json",)), "branches take turns under a lock"),

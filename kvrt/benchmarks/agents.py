@@ -88,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-tokens", type=int, default=16)
     parser.add_argument("--live", type=int, default=6, help="timeslice: contexts the budget keeps alive")
     parser.add_argument("--agent-ctx", type=int, default=1024)
-    parser.add_argument("--rounds", type=int, default=3, help="timeslice: alternating baseline/time-sliced rounds (>= 3)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timeslice: alternating baseline/time-sliced rounds (>= 3)")
     parser.add_argument("--threads", type=int, default=None)
 
 
@@ -204,10 +205,10 @@ def swap_point(model: Model, n_doc: int, args: argparse.Namespace, pool: HostPoo
     row: dict[str, Any] = {"model": model.path.name, "doc_tokens": n_doc, "ideal_kind": ideal_kind,
                            "kvrt": _swap.summarize_kvrt(trials, ideal_ms), "peer": {}}
     k = row["kvrt"]
-    _log(f"swap {model.path.name} {n_doc} tok: state {k['state_bytes'] / 1e6:.1f} MB; re-prefill {k['reprefill_ms']:.1f}"
-         f" ms, out {k['swap_out_ms']:.1f}, in (kept ctx) {k['swap_in_kept_ms']:.1f} [{k['swap_in_kept_ms_min']:.1f}-"
-         f"{k['swap_in_kept_ms_max']:.1f}], in (fresh ctx) {k['swap_in_fresh_ms']:.1f}, switch {k['switch_ttft_ms']:.1f}"
-         f" ms; ideal {ideal_ms:.1f} ms ({ideal_kind}, {k['ideal_gbps']:.1f} GB/s): fraction "
+    _log(f"swap {model.path.name} {n_doc} tok: state {k['state_bytes'] / 1e6:.1f} MB; re-prefill "
+         f"{k['reprefill_ms']:.1f} ms, out {k['swap_out_ms']:.1f}, in (kept ctx) {k['swap_in_kept_ms']:.1f} "
+         f"[{k['swap_in_kept_ms_min']:.1f}-{k['swap_in_kept_ms_max']:.1f}], in (fresh ctx) {k['swap_in_fresh_ms']:.1f}, switch "
+         f"{k['switch_ttft_ms']:.1f} ms; ideal {ideal_ms:.1f} ms ({ideal_kind}, {k['ideal_gbps']:.1f} GB/s): fraction "
          f"{k['fraction_of_ideal']:.3f}; exact {k['exact_all_trials']}")
     kinds = [c for c in args.swap_peers.split(",")
              if c and (c != "disk" or args.peer_disk_max_tokens is None or n_doc <= args.peer_disk_max_tokens)]
@@ -418,6 +419,7 @@ def agent_bounds(results: dict[str, Any]) -> list[Bound]:
     (one warmed context per model, nothing swapped: the scheduler serves one request at a time)."""
     bounds = [b for row in results.get("swap", {}).get("rows", []) for b in _swap.swap_bounds(row)]
     if "timeslice" in results:
-        bounds.append(Bound("timeslice: throughput time-sliced / back to back", results["timeslice"]["throughput_ratio"],
-                            1.0, "the same requests served one at a time, plus switches"))
+        bounds.append(Bound("timeslice: throughput time-sliced / back to back",
+                            results["timeslice"]["throughput_ratio"], 1.0,
+                            "the same requests served one at a time, plus switches"))
     return bounds
