@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from kvrt.gpu import llama_gpu_devices
 from kvrt.errors import KvrtError
 
 KV_TYPE_BYTES = 2  # llama.cpp's default cache type is F16 for both K and V
@@ -286,15 +287,6 @@ def context_estimate(shape: ModelShape, n_ctx: int, n_ubatch: int = 512) -> Esti
     return Estimate(0, shape.kv_bytes(n_ctx), shape.compute_bytes(min(n_ubatch, n_ctx)), "derived")
 
 
-def _gpu_devices() -> list[object]:
-    """llama.cpp's GPU devices (ggml backend devices of type gpu or igpu)."""
-    from kvrt.bindings import DEVICE_TYPES, ggml
-
-    g = ggml()
-    devices = (g.ggml_backend_dev_get(i) for i in range(g.ggml_backend_dev_count()))
-    return [d for d in devices if DEVICE_TYPES.get(g.ggml_backend_dev_type(d)) in ("gpu", "igpu")]
-
-
 class DeviceMeter:
     """Free memory of the GPU devices llama.cpp uses, read before and after a step.
 
@@ -305,12 +297,12 @@ class DeviceMeter:
     """
 
     def __init__(self) -> None:
-        self._devices = _gpu_devices()
+        self._devices = llama_gpu_devices()
         self._before = self._free()
 
     @staticmethod
     def gpu_present() -> bool:
-        return bool(_gpu_devices())
+        return bool(llama_gpu_devices())
 
     def _free(self) -> int | None:
         if not self._devices:

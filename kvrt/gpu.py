@@ -39,7 +39,7 @@ def cupy_with_device() -> tuple[Any | None, str]:
         return None, f"the CUDA runtime sees no device ({exc})"
     if count == 0:
         return None, "the CUDA runtime reports 0 devices"
-    return cupy, f"CuPy {cupy.__version__} with {count} device(s)"
+    return cupy, f"CuPy {getattr(cupy, '__version__', '(unknown version)')} with {count} device(s)"
 
 
 def cupy_usable() -> bool:

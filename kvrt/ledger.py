@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvrt.checks import check_int, check_real, shown
+from kvrt.gpu import nvidia_gpu_count
 from kvrt.errors import KvrtError
 
 U64_MAX = 2**64 - 1
@@ -144,13 +145,7 @@ class NvmlProbe:
 
     @staticmethod
     def available() -> bool:
-        try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            return pynvml.nvmlDeviceGetCount() > 0
-        except Exception:  # no library, no driver, no device: all mean "no NVML GPU"
-            return False
+        return nvidia_gpu_count() > 0
 
     def read(self) -> DeviceMemory:
         nvml = self._nvml

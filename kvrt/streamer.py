@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from kvrt.gpu import cupy_with_device
 from kvrt.streamplan import (
     EVENTS,
     N_SLOTS,
@@ -41,16 +42,9 @@ stream while it runs. It must not synchronise the host."""
 
 def _cupy() -> Any:
     """CuPy with at least one CUDA device, or :class:`NoGpuError` saying what is missing."""
-    try:
-        import cupy  # noqa: PLC0415  (GPU machines only)
-    except ImportError as exc:
-        raise NoGpuError(f"the layer streamer needs CuPy and a CUDA GPU; CuPy is not importable ({exc})") from exc
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as exc:
-        raise NoGpuError(f"the layer streamer needs a CUDA GPU; the CUDA runtime sees none ({exc})") from exc
-    if count == 0:
-        raise NoGpuError("the layer streamer needs a CUDA GPU; the CUDA runtime reports 0 devices")
+    cupy, reason = cupy_with_device()
+    if cupy is None:
+        raise NoGpuError(f"the layer streamer needs CuPy and a CUDA GPU; {reason}")
     return cupy
 
 
