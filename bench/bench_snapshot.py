@@ -12,14 +12,14 @@ import os
 from pathlib import Path
 
 import pytest
+from kvrt_bench.fanout import fox_document
 
-from kvrt.benchmarks.fanout import fox_document
-from kvrt.context import Context, ContextParams
-from kvrt.contextpool import ContextPool
-from kvrt.generation import prefill
-from kvrt.hostpool import HostPool
-from kvrt.model import Model
-from kvrt.snapshot import Snapshot
+from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.generation import prefill
+from kvrt.engine.model import Model
+from kvrt.state.contextpool import ContextPool
+from kvrt.state.hostpool import HostPool
+from kvrt.state.snapshot import Snapshot
 
 DOC_TOKENS = int(os.environ.get("KVRT_BENCH_DOC_TOKENS", "512"))
 N_FORKS = 8
@@ -29,7 +29,7 @@ N_FORKS = 8
 def model(tmp_path_factory: pytest.TempPathFactory):
     path = os.environ.get("KVRT_BENCH_MODEL")
     if not path:
-        from kvrt.testmodels import write_model
+        from kvrt.modelfiles.testmodels import write_model
 
         path = write_model(tmp_path_factory.mktemp("bench") / "tiny.gguf", "tiny", seed=0)
     with Model(path) as loaded:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrt.streamplan import StreamConfig, plan, simulate
+from kvrt.stream.streamplan import StreamConfig, plan, simulate
 
 
 def noop(layer: int, slot: object) -> None:
@@ -31,7 +31,7 @@ def test_simulate_64_layers(benchmark) -> None:
 def streamer_factory():
     """Streamers closed at module end; skips with the streamer's own reason where there is no GPU
     (tests/conftest.py's ``gpu``-marker skip does not reach bench/)."""
-    from kvrt.streamer import LayerStreamer, NoGpuError
+    from kvrt.stream.streamer import LayerStreamer, NoGpuError
 
     made = []
 

@@ -1,7 +1,7 @@
 """cffi (ABI mode) bindings to the llama.cpp and ggml shared libraries.
 
 ``lib()`` is libllama, ``ggml()`` libggml-base, ``ffi`` their shared FFI. Everything
-above this package goes through :mod:`kvrt.model` and :mod:`kvrt.context`, which own
+above this package goes through :mod:`kvrt.engine.model` and :mod:`kvrt.engine.context`, which own
 the handles and turn every NULL and error code into a :class:`kvrt.errors.KvrtError`.
 """
 
@@ -13,7 +13,8 @@ from kvrt.bindings._loader import (
     library_dir,
 )
 from kvrt.bindings._loader import llama as lib
-from kvrt.bindings._log import capture, explain, install as install_logging
+from kvrt.bindings._log import capture, explain
+from kvrt.bindings._log import install as install_logging
 
 STATE_SEQ_FLAGS_NONE = 0
 STATE_SEQ_FLAGS_PARTIAL_ONLY = 1

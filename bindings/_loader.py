@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import cffi
-
 from kvrt.bindings._cdef import CDEF, GGML_CDEF
+
 from kvrt.errors import LibraryError
 
 LIB_DIR_ENV = "KVRT_LLAMA_LIB_DIR"

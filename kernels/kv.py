@@ -1,7 +1,7 @@
 """Numba CUDA kernels over a contiguous (virtually) KV cache: append and single-token decode attention.
 
 The cache of one layer is a plain ``(max_tokens, n_kv_heads, head_dim)`` fp16 array
-whose first tokens are backed by physical pages (:class:`kvrt.elastic_kv.ElasticKV`):
+whose first tokens are backed by physical pages (:class:`kvrt.memory.elastic_kv.ElasticKV`):
 the kernels index it directly, with no page table, and must only touch the tokens
 that were reserved. Both run under ``NUMBA_ENABLE_CUDASIM=1`` for the CPU tests.
 """

@@ -21,25 +21,25 @@ if not os.environ.get(NO_PRELOAD_ENV):
 
     _loader.llama()
 
-from kvrt.branches import Branch, fanout  # noqa: E402  (after the library is mapped)
-from kvrt.chat import ChatMessage, apply_chat_template  # noqa: E402
-from kvrt.client import Client  # noqa: E402
-from kvrt.context import Context, ContextParams  # noqa: E402
-from kvrt.batch import Batch  # noqa: E402
-from kvrt.demo_model import demo_model_path  # noqa: E402
-from kvrt.elastic import ElasticPool  # noqa: E402
-from kvrt.elastic_kv import ElasticKV  # noqa: E402
+from kvrt.branching.branches import Branch, fanout  # noqa: E402  (after the library is mapped)
+from kvrt.branching.pipeline import Pipeline  # noqa: E402
+from kvrt.engine.batch import Batch  # noqa: E402
+from kvrt.engine.chat import ChatMessage, apply_chat_template  # noqa: E402
+from kvrt.engine.context import Context, ContextParams  # noqa: E402
+from kvrt.engine.generation import Completion, GenerationParams, generate, prefill  # noqa: E402
+from kvrt.engine.model import Model, ModelFingerprint, ModelParams  # noqa: E402
+from kvrt.engine.sampling import Sampler, SamplingParams  # noqa: E402
 from kvrt.errors import KvrtError  # noqa: E402
-from kvrt.generation import Completion, GenerationParams, generate, prefill  # noqa: E402
-from kvrt.hostpool import HostPool  # noqa: E402
-from kvrt.ledger import VramLedger  # noqa: E402
-from kvrt.model import Model, ModelFingerprint, ModelParams  # noqa: E402
-from kvrt.pipeline import Pipeline  # noqa: E402
-from kvrt.registry import ModelRegistry  # noqa: E402
-from kvrt.sampling import Sampler, SamplingParams  # noqa: E402
-from kvrt.scheduler import Scheduler  # noqa: E402
-from kvrt.snapshot import Snapshot  # noqa: E402
-from kvrt.streamer import LayerStreamer  # noqa: E402
+from kvrt.memory.elastic import ElasticPool  # noqa: E402
+from kvrt.memory.elastic_kv import ElasticKV  # noqa: E402
+from kvrt.modelfiles.demo_model import demo_model_path  # noqa: E402
+from kvrt.serve.client import Client  # noqa: E402
+from kvrt.serve.ledger import VramLedger  # noqa: E402
+from kvrt.serve.registry import ModelRegistry  # noqa: E402
+from kvrt.serve.scheduler import Scheduler  # noqa: E402
+from kvrt.state.hostpool import HostPool  # noqa: E402
+from kvrt.state.snapshot import Snapshot  # noqa: E402
+from kvrt.stream.streamer import LayerStreamer  # noqa: E402
 
 __all__ = [
     "Batch", "Branch", "ChatMessage", "Client", "Completion", "Context", "ContextParams", "ElasticKV", "ElasticPool",

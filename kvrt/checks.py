@@ -20,7 +20,7 @@ import numpy as np
 from kvrt.errors import InvalidArgument, KvrtError
 
 if TYPE_CHECKING:
-    from kvrt.model import Model
+    from kvrt.engine.model import Model
 
 _SHOWN = 60
 INT32_MAX = 2**31 - 1  # llama.cpp's positions, token counts and most sizes are int32

@@ -48,7 +48,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 4-layer F32 llama GGUF with random weights (a few MB, deterministic)."""
-    from kvrt.testmodels import write_model
+    from kvrt.modelfiles.testmodels import write_model
 
     return write_model(tmp_path_factory.mktemp("models") / "tiny.gguf", "tiny", seed=0)
 
@@ -56,14 +56,14 @@ def tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def other_tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Same shape as ``tiny_model_path``, different weights: a different model."""
-    from kvrt.testmodels import write_model
+    from kvrt.modelfiles.testmodels import write_model
 
     return write_model(tmp_path_factory.mktemp("models") / "tiny-seed1.gguf", "tiny", seed=1)
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_model_path: Path):
-    from kvrt.model import Model
+    from kvrt.engine.model import Model
 
     model = Model(tiny_model_path)
     yield model
@@ -73,7 +73,7 @@ def tiny_model(tiny_model_path: Path):
 @pytest.fixture(scope="session")
 def demo_model_path() -> Path:
     """The real demo model (Gemma 3 270M Q4_K_M); skipped where the package is absent."""
-    from kvrt.demo_model import INSTALL_HINT, demo_model_path, is_installed
+    from kvrt.modelfiles.demo_model import INSTALL_HINT, demo_model_path, is_installed
 
     if not is_installed():
         pytest.skip(f"demo model not installed ({INSTALL_HINT})")
@@ -82,7 +82,7 @@ def demo_model_path() -> Path:
 
 @pytest.fixture(scope="session")
 def demo_model(demo_model_path: Path):
-    from kvrt.model import Model
+    from kvrt.engine.model import Model
 
     model = Model(demo_model_path)
     yield model

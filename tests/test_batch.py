@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
-from kvrt.batch import Batch
 from kvrt.bindings import ffi, lib
+
+from kvrt.engine.batch import Batch
 from kvrt.errors import ClosedError, KvrtError
 
 CAPACITY, N_SEQ_MAX = 24, 5

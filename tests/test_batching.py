@@ -18,11 +18,18 @@ import numpy as np
 import pytest
 
 from kvrt import Context, GenerationParams, generate
-from kvrt.engine_batch import Engine, EngineConfig
-from kvrt.engine_request import (ChoiceEnd, EngineError, EngineOverloaded, Request, RequestEnd, RequestTooLarge,
-                                 TokenEvent)
+from kvrt.engine.batching import Engine, EngineConfig
+from kvrt.engine.requests import (
+    ChoiceEnd,
+    EngineError,
+    EngineOverloaded,
+    Request,
+    RequestEnd,
+    RequestTooLarge,
+    TokenEvent,
+)
+from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import LlamaError
-from kvrt.sampling import SamplingParams
 
 WAIT_S = 60.0  # bound on any single wait for an event (a hang fails instead of blocking the run)
 
@@ -78,7 +85,7 @@ PROMPTS = ["Hello world, this is", "Another prompt that is a good deal longer th
 
 
 def test_single_greedy_request_equals_generate_and_llama_cpp_python(tiny_model, tiny_model_path):
-    from kvrt.cpu import llama_cpp_llama
+    from kvrt.system.cpu import llama_cpp_llama
 
     prompt = text_tokens(tiny_model, PROMPTS[1])
     with engine(tiny_model) as eng:

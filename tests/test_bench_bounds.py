@@ -9,10 +9,9 @@ import json
 from pathlib import Path
 
 import pytest
+from kvrt_bench._bounds import EXIT_BOUND_VIOLATED, Bound, enforce, ideal_bound, speedup_bound, violations
+from kvrt_bench._stats import check_samples, ratios, summarize
 
-from kvrt.benchmarks._bounds import (EXIT_BOUND_VIOLATED, Bound, enforce, ideal_bound, speedup_bound,
-                                     violations)
-from kvrt.benchmarks._stats import check_samples, ratios, summarize
 from kvrt.errors import KvrtError
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
@@ -58,7 +57,7 @@ def _rows(n: int, baseline: list[float], shared: list[float], ideal: list[float]
 
 
 def test_fanout_point_bounds_catch_a_speedup_past_n_and_a_run_faster_than_the_ideal():
-    from kvrt.benchmarks.fanout import point_bounds, summarize_point
+    from kvrt_bench.fanout import point_bounds, summarize_point
 
     fair = summarize_point(_rows(2, [200, 210, 190], [110, 105, 100], [100, 100, 95]), None)
     assert not violations(point_bounds(fair), 0.05)
@@ -72,7 +71,7 @@ def test_fanout_point_bounds_catch_a_speedup_past_n_and_a_run_faster_than_the_id
 
 
 def test_stream_bounds_hold_the_ideal_and_the_pipeline_bound():
-    from kvrt.benchmarks.stream import stream_bounds
+    from kvrt_bench.stream import stream_bounds
 
     point = {"mode": "fma", "n_layers": 8, "compute_iters": 64, "fraction_of_ideal": 0.97, "speedup": 1.26,
              "pipeline_ideal_speedup": 1.25}
@@ -92,7 +91,7 @@ def test_committed_results_passed_their_bounds(bounds_file: Path):
 @pytest.mark.parametrize("fanout_json", [p for folder in COMMITTED for p in sorted(folder.rglob("fanout.json"))],
                          ids=lambda p: str(p.relative_to(RESULTS)))
 def test_committed_fanout_summaries_are_within_their_bounds_again(fanout_json: Path):
-    from kvrt.benchmarks.fanout import point_bounds
+    from kvrt_bench.fanout import point_bounds
 
     data = json.loads(fanout_json.read_text())
     assert not violations(point_bounds(data["summary"]), data["args"]["bound_tolerance"])

@@ -19,8 +19,8 @@ def _args(**overrides) -> argparse.Namespace:
 
 
 def test_fanout_arms_agree_and_create_contexts_only_where_they_say(tiny_model):
-    from kvrt.benchmarks._fanout_arms import ARMS, make_setup, warm
-    from kvrt.benchmarks.fanout import measure_point, summarize_point
+    from kvrt_bench._fanout_arms import ARMS, make_setup, warm
+    from kvrt_bench.fanout import measure_point, summarize_point
 
     arms = list(ARMS)
     setup = make_setup(tiny_model, 200, 3, arms, _args())
@@ -39,19 +39,20 @@ def test_fanout_arms_agree_and_create_contexts_only_where_they_say(tiny_model):
 
 
 def test_sweep_points_give_each_length_its_branch_counts():
-    from kvrt.benchmarks.fanout import sweep_points
+    from kvrt_bench.fanout import sweep_points
 
     assert sweep_points("3501:8/50,32000:4", "1,2") == [(3501, [8, 50]), (32000, [4])]
     assert sweep_points("512", "1,2") == [(512, [1, 2])]
 
 
 def test_swap_round_trip_is_exact_and_the_peer_picks_kvrts_next_token(tiny_model, tmp_path: Path):
-    from kvrt.batch import Batch
-    from kvrt.benchmarks import _swap
-    from kvrt.benchmarks._peer import LlamaPeer
-    from kvrt.context import Context, ContextParams
-    from kvrt.generation import prefill
-    from kvrt.hostpool import HostPool
+    from kvrt_bench import _swap
+    from kvrt_bench._peer import LlamaPeer
+
+    from kvrt.engine.batch import Batch
+    from kvrt.engine.context import Context, ContextParams
+    from kvrt.engine.generation import prefill
+    from kvrt.state.hostpool import HostPool
 
     params = ContextParams(n_ctx=512, n_threads=1, flash_attn="off")
     doc = _swap.document(tiny_model, 256)
@@ -68,9 +69,10 @@ def test_swap_round_trip_is_exact_and_the_peer_picks_kvrts_next_token(tiny_model
 
 
 def test_multimodel_arms_serve_the_same_trace_with_the_same_tokens(tiny_model_path, other_tiny_model_path):
-    from kvrt.benchmarks.multimodel import ElasticArm, StaticArm, bursty_trace, replay
-    from kvrt.ledger import VramLedger
-    from kvrt.model import Model
+    from kvrt_bench.multimodel import ElasticArm, StaticArm, bursty_trace, replay
+
+    from kvrt.engine.model import Model
+    from kvrt.serve.ledger import VramLedger
 
     trace = bursty_trace([512, 512], 1.0, 0.2, 0.05, 128, seed=1)
     assert trace == bursty_trace([512, 512], 1.0, 0.2, 0.05, 128, seed=1) and trace

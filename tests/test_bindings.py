@@ -6,9 +6,9 @@ import ctypes
 
 import numpy as np
 import pytest
+from kvrt.bindings import ffi, lib
 
 from kvrt import bindings
-from kvrt.bindings import ffi, lib
 from kvrt.errors import LibraryError
 
 
@@ -58,7 +58,7 @@ def test_bad_library_dir_override_is_named(monkeypatch: pytest.MonkeyPatch, tmp_
 
 
 def test_wrapped_host_memory_is_shared_not_copied() -> None:
-    from kvrt.ggml_memory import Buffer, aligned_empty
+    from kvrt.engine.ggml_memory import Buffer, aligned_empty
 
     host = aligned_empty(4096)
     host[:] = np.arange(4096) % 251
@@ -70,15 +70,15 @@ def test_wrapped_host_memory_is_shared_not_copied() -> None:
 
 def test_misaligned_host_memory_is_refused_instead_of_aborting() -> None:
     """ggml_backend_cpu_buffer_from_ptr GGML_ASSERTs on alignment: kvrt checks first."""
+    from kvrt.engine.ggml_memory import Buffer, aligned_empty
     from kvrt.errors import KvrtError
-    from kvrt.ggml_memory import Buffer, aligned_empty
 
     with pytest.raises(KvrtError, match="aligned"):
         Buffer.wrap_host(aligned_empty(4097)[1:])
 
 
 def test_devices_report_memory() -> None:
-    from kvrt.ggml_memory import devices
+    from kvrt.engine.ggml_memory import devices
 
     found = devices()
     assert found[0].kind in {"cpu", "gpu", "accel", "igpu"}
@@ -97,14 +97,14 @@ def test_log_hook_keeps_llama_cpp_python_verbose_output(tiny_model_path) -> None
     """kvrt's hook chains to llama-cpp-python's callback instead of replacing it."""
     _, alone = _stderr_lines(f"import llama_cpp; llama_cpp.Llama({str(tiny_model_path)!r}, verbose=True)")
     _, after_kvrt = _stderr_lines(
-        f"from kvrt.model import Model; m = Model({str(tiny_model_path)!r}); "
+        f"from kvrt.engine.model import Model; m = Model({str(tiny_model_path)!r}); "
         f"import llama_cpp; llama_cpp.Llama({str(tiny_model_path)!r}, verbose=True)")
     assert alone > 100
     assert after_kvrt >= alone
 
 
 def test_log_hook_is_quiet_on_its_own(tiny_model_path) -> None:
-    _, lines = _stderr_lines(f"from kvrt.model import Model; Model({str(tiny_model_path)!r})")
+    _, lines = _stderr_lines(f"from kvrt.engine.model import Model; Model({str(tiny_model_path)!r})")
     assert lines == 0
 
 
@@ -113,6 +113,6 @@ def test_errors_keep_llama_cpp_words_after_llama_cpp_python_took_the_callback(tm
     truncated.write_bytes(tiny_model_path.read_bytes()[: tiny_model_path.stat().st_size // 2])
     out, _ = _stderr_lines(
         f"import llama_cpp; llama_cpp.Llama({str(tiny_model_path)!r}, verbose=False)\n"
-        "from kvrt.model import Model\n"
+        "from kvrt.engine.model import Model\n"
         f"try:\n    Model({str(truncated)!r})\nexcept Exception as exc:\n    print(exc)")
     assert "not within the file bounds" in out or "failed to load model" in out

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrt.budget import HOST_RAM_SHARE_PERCENT, choose_budget, host_ram_bytes
+from kvrt.serve.budget import HOST_RAM_SHARE_PERCENT, choose_budget, host_ram_bytes
 
 
 def _no_call() -> int:
@@ -38,8 +38,8 @@ def test_host_ram_is_read() -> None:
 
 
 def test_serve_starts_without_a_gpu_or_a_capacity_and_status_names_the_budget(tmp_path: Path) -> None:
-    from kvrt.client import Client
-    from kvrt.gpu import nvidia_gpu_count
+    from kvrt.serve.client import Client
+    from kvrt.system.gpu import nvidia_gpu_count
 
     if nvidia_gpu_count():
         pytest.skip("this machine has a GPU: the NVML branch applies")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvrt.chat import ChatMessage, ChatTemplateError, apply_chat_template, chat_template
-from kvrt.model import Model
+from kvrt.engine.chat import ChatMessage, ChatTemplateError, apply_chat_template, chat_template
+from kvrt.engine.model import Model
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from kvrt import Batch, Context, Model, Sampler
+from kvrt.engine.generation import GenerationParams, generate, prefill
 from kvrt.errors import ClosedError, ContextError, DecodeError, KvrtError, StateError
-from kvrt.generation import GenerationParams, generate, prefill
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 6
 CONTINUATION = " And then it ran far away."
@@ -148,7 +148,7 @@ def test_use_after_free(tiny_model: Model) -> None:
 
 
 def test_invalid_parameters_are_refused_before_llama_cpp() -> None:
-    from kvrt.context import ContextParams
+    from kvrt.engine.context import ContextParams
 
     with pytest.raises(KvrtError, match="n_ctx"):
         ContextParams(n_ctx=0)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvrt import cpu
-from kvrt.cpu import CpuInfo, ProbeOutcome, decide_extra_bufts, run_probe
+from kvrt.system import cpu
+from kvrt.system.cpu import CpuInfo, ProbeOutcome, decide_extra_bufts, run_probe
 
 WITH_REPACK = CpuInfo("test CPU", frozenset({"avx2", "amx_tile"}), {"AMX_INT8": "1"}, ("AMX", "CPU_REPACK"))
 WITHOUT_EXTRA = CpuInfo("test CPU", frozenset({"avx2"}), {}, ())
@@ -118,7 +118,7 @@ def test_a_passing_probe_runs_once_per_key(tmp_path: Path) -> None:
 
 def test_a_corrupt_cache_file_is_probed_again(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "extra-bufts-k.json").write_text("{ not json")
-    with caplog.at_level(logging.WARNING, logger="kvrt.cpu"):
+    with caplog.at_level(logging.WARNING, logger="kvrt.system.cpu"):
         verdict = decide_extra_bufts(WITH_REPACK, key="k", env={}, directory=tmp_path,
                                      probe=lambda: ProbeOutcome(False, "mismatch", 1.0))
     assert (verdict.use_extra_bufts, verdict.source) == (False, "probe")
@@ -171,7 +171,7 @@ def test_the_real_probe_child_decodes_and_compares_on_this_machine() -> None:
 def test_use_extra_bufts_reaches_llama_cpp(tmp_path: Path) -> None:
     """llama.cpp's load log names the extra buffer type only when the flag is on (a fresh process, so no
     ``llama_cpp.Llama`` elsewhere in the test session has taken over llama.cpp's log callback)."""
-    from kvrt.testmodels import write_model
+    from kvrt.modelfiles.testmodels import write_model
 
     names = cpu.cpu_info().extra_buffer_types
     if not names:
@@ -180,7 +180,7 @@ def test_use_extra_bufts_reaches_llama_cpp(tmp_path: Path) -> None:
     if not verdict.use_extra_bufts:
         pytest.skip(f"extra buffer types are unsafe on this machine ({verdict.reason})")
     path = write_model(tmp_path / "q4.gguf", cpu.PROBE_PRESET)
-    code = ("import logging, sys; from kvrt.model import Model; lines = []\n"
+    code = ("import logging, sys; from kvrt.engine.model import Model; lines = []\n"
             "class Keep(logging.Handler):\n    def emit(self, record): lines.append(record.getMessage())\n"
             "log = logging.getLogger('kvrt.llama'); log.addHandler(Keep()); log.setLevel(logging.INFO)\n"
             f"Model({str(path)!r}, n_gpu_layers=0, use_extra_bufts=sys.argv[1] == 'on').close()\n"
@@ -197,8 +197,8 @@ def test_model_default_takes_the_cached_verdict_in_a_fresh_process(tmp_path: Pat
         pytest.skip("this llama.cpp build has no CPU extra buffer types")
     key = cpu.probe_key(info, cpu._library_files())
     (tmp_path / f"extra-bufts-{key}.json").write_text(json.dumps({"use_extra_bufts": False, "reason": "planted"}))
-    code = ("import kvrt.cpu, kvrt.model as m; "
-            f"model = m.Model({str(tiny_model_path)!r}); v = kvrt.cpu.safe_extra_bufts(); "
+    code = ("import kvrt.system.cpu, kvrt.engine.model as m; "
+            f"model = m.Model({str(tiny_model_path)!r}); v = kvrt.system.cpu.safe_extra_bufts(); "
             "print(model.params.use_extra_bufts, v.source, v.reason)")
     env = {k: v for k, v in os.environ.items() if k != cpu.EXTRA_BUFTS_ENV} | {cpu.CACHE_DIR_ENV: str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
@@ -228,7 +228,7 @@ def test_doctor_reports_the_cpu_decision() -> None:
 def test_a_pageable_pool_on_a_gpu_machine_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
     import warnings
 
-    from kvrt import hostpool
+    from kvrt.state import hostpool
 
     monkeypatch.setattr(hostpool, "cupy_usable", lambda: False)
     monkeypatch.setattr(hostpool, "nvidia_gpu_count", lambda: 1)

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrt.client import Client, ConnectionLost, DaemonReplyError
-from kvrt.daemon import Daemon, DaemonError, check_socket_path
-from kvrt.estimate import ModelShape, context_estimate
-from kvrt.ledger import VramLedger
-from kvrt.protocol import (MAX_LINE, ProtocolError, escape_prompt, parse_fields, parse_line, unescape_prompt)
-from kvrt.scheduler import Scheduler
+from kvrt.serve.client import Client, ConnectionLost, DaemonReplyError
+from kvrt.serve.daemon import Daemon, DaemonError, check_socket_path
+from kvrt.serve.estimate import ModelShape, context_estimate
+from kvrt.serve.ledger import VramLedger
+from kvrt.serve.protocol import MAX_LINE, ProtocolError, escape_prompt, parse_fields, parse_line, unescape_prompt
+from kvrt.serve.scheduler import Scheduler
 
 N_CTX = 256
 

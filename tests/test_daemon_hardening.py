@@ -18,13 +18,13 @@ import pytest
 from test_daemon import N_CTX, daemon, raw_exchange, sock_dir  # noqa: F401  (daemon, sock_dir: fixtures)
 from test_scheduler import hold_worker
 
-from kvrt.client import Client, DaemonReplyError
-from kvrt.daemon import Daemon
-from kvrt.estimate import EstimateError, ModelShape, context_estimate
-from kvrt.ledger import VramLedger
-from kvrt.protocol import MAX_LINE, ProtocolError, parse_line
-from kvrt.scheduler import Scheduler
-from kvrt.testmodels import write_model
+from kvrt.modelfiles.testmodels import write_model
+from kvrt.serve.client import Client, DaemonReplyError
+from kvrt.serve.daemon import Daemon
+from kvrt.serve.estimate import EstimateError, ModelShape, context_estimate
+from kvrt.serve.ledger import VramLedger
+from kvrt.serve.protocol import MAX_LINE, ProtocolError, parse_line
+from kvrt.serve.scheduler import Scheduler
 
 WAIT_S = 30.0  # bound on every wait below, so a regression fails instead of hanging
 
@@ -403,7 +403,7 @@ def test_unregister_forgets_the_saved_state(tmp_path, tiny_model_path):
 
 
 def test_one_state_dir_serves_one_daemon(tmp_path):
-    from kvrt.agentstore import AgentStoreError
+    from kvrt.state.agentstore import AgentStoreError
 
     with Scheduler(VramLedger(1 << 30), n_threads=1, state_dir=tmp_path / "state"):
         with pytest.raises(AgentStoreError, match="in use"):

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
-from kvrt.elastic import ElasticError, ElasticPool, ElasticRefusal
-from kvrt.ledger import VramLedger
-from kvrt.vmm import HostDriver
+from kvrt.memory.elastic import ElasticError, ElasticPool, ElasticRefusal
+from kvrt.memory.vmm import HostDriver
+from kvrt.serve.ledger import VramLedger
 
 PAGE = 4096
 
@@ -309,7 +309,7 @@ TestPoolMachine = PoolMachine.TestCase
 def test_cuda_pool_grows_shrinks_and_views_as_cupy():
     import cupy
 
-    from kvrt.vmm import CudaDriver
+    from kvrt.memory.vmm import CudaDriver
 
     driver = CudaDriver()
     ledger = VramLedger()

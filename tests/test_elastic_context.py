@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvrt.context import Context
-from kvrt.elastic_context import ElasticContext
+from kvrt.engine.context import Context
+from kvrt.engine.generation import GenerationParams, generate
 from kvrt.errors import KvrtError
-from kvrt.generation import GenerationParams, generate
-from kvrt.ledger import LedgerDenied, VramLedger
+from kvrt.memory.elastic_context import ElasticContext
+from kvrt.serve.ledger import LedgerDenied, VramLedger
 
 GREEDY = GenerationParams(max_tokens=40)
 
@@ -113,7 +113,7 @@ class CountingContext(Context):
 
 
 def test_prepared_spares_are_used_no_context_is_created_on_the_path_and_tokens_stay_equal(tiny_model, monkeypatch):
-    monkeypatch.setattr("kvrt.elastic_context.Context", CountingContext)
+    monkeypatch.setattr("kvrt.memory.elastic_context.Context", CountingContext)
     turns = [tiny_model.tokenize(text(200, 9))[:300], tiny_model.tokenize(text(200, 10))[:400]]
     with Context(tiny_model, n_ctx=1024) as fixed:
         expected = [generate(fixed, turn, GREEDY).tokens for turn in turns]

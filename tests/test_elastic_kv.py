@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from kvrt.elastic import ElasticError, ElasticPool
-from kvrt.elastic_kv import ElasticKV, KVLayout
-from kvrt.vmm import HostDriver
+from kvrt.memory.elastic import ElasticError, ElasticPool
+from kvrt.memory.elastic_kv import ElasticKV, KVLayout
+from kvrt.memory.vmm import HostDriver
 
 PAGE = 4096
 

@@ -8,14 +8,14 @@ import json
 import numpy as np
 import pytest
 
-from kvrt.batch import Batch
-from kvrt.branches import Branch, FanoutError, branch_budget, fanout, shared_params
-from kvrt.context import Context, ContextParams
-from kvrt.contextpool import ContextPool
-from kvrt.generation import GenerationParams, generate, prefill
-from kvrt.model import Model
-from kvrt.sampling import SamplingParams
-from kvrt.snapshot import Snapshot
+from kvrt.branching.branches import Branch, FanoutError, branch_budget, fanout, shared_params
+from kvrt.engine.batch import Batch
+from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.generation import GenerationParams, generate, prefill
+from kvrt.engine.model import Model
+from kvrt.engine.sampling import SamplingParams
+from kvrt.state.contextpool import ContextPool
+from kvrt.state.snapshot import Snapshot
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 8
 BRANCHES = [
@@ -206,12 +206,12 @@ def test_isolated_mode_reuses_pooled_contexts(tiny_model, references):
 
 
 def test_one_isolated_branch_needs_no_snapshot(tiny_model, references, monkeypatch):
-    import kvrt.branches
+    import kvrt.branching.branches
 
     def no_capture(*_args, **_kwargs):
         raise AssertionError("one branch should continue in the prefill context, not capture a snapshot")
 
-    monkeypatch.setattr(kvrt.branches.Snapshot, "capture", no_capture)
+    monkeypatch.setattr(kvrt.branching.branches.Snapshot, "capture", no_capture)
     result = fanout(tiny_model, TEXT, BRANCHES[:1], mode="isolated")
     assert result.branches[0].completion.tokens == references[0] and result.fork_ms < 1.0
 
@@ -306,10 +306,10 @@ def test_demo_runs_the_two_agent_pipeline(tiny_model_path, capsys):
 def test_kvrt_fanout_is_the_function_even_after_its_module_is_imported():
     """A submodule named like a lazy export would replace it on the package (import sets the attribute)."""
     import kvrt
-    import kvrt.branches
+    import kvrt.branching.branches
 
-    assert callable(kvrt.fanout) and kvrt.fanout is kvrt.branches.fanout
-    assert kvrt.Branch is kvrt.branches.Branch
+    assert callable(kvrt.fanout) and kvrt.fanout is kvrt.branching.branches.fanout
+    assert kvrt.Branch is kvrt.branching.branches.Branch
 
 
 def test_demo_model_restored_branch_follows_a_recompute_token_for_token(demo_model):
@@ -337,8 +337,9 @@ def test_demo_model_restored_branch_follows_a_recompute_token_for_token(demo_mod
 
 
 def test_exposed_fork_is_all_of_it_after_the_prefill_and_the_prefill_growth_during_it():
-    from kvrt.benchmarks.fanout import _exposed_fork
-    from kvrt.branches import FanoutResult
+    from kvrt_bench.fanout import _exposed_fork
+
+    from kvrt.branching.branches import FanoutResult
 
     def run(fork_ms: float, prefill_ms: float, overlapped: bool) -> FanoutResult:
         return FanoutResult("shared", "", False, 100, prefill_ms, fork_ms, [], 0.0, fork_overlapped=overlapped)

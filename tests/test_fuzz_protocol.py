@@ -11,7 +11,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvrt.protocol import MAX_CTX, MAX_LINE, MAX_TOKENS, Command, ProtocolError, escape_prompt, parse_line
+from kvrt.serve.protocol import MAX_CTX, MAX_LINE, MAX_TOKENS, Command, ProtocolError, escape_prompt, parse_line
 
 VERBS = ("HELP", "STATUS", "LIST", "QUIT", "REGISTER", "UNREGISTER", "METRICS", "FORK", "DECODE")
 WORDS = st.one_of(
@@ -82,7 +82,7 @@ def test_a_decode_prompt_survives_escaping(prompt):
     assert command.args == ("agent", 7, prompt)
 
 
-@pytest.mark.xfail(strict=True, reason="kvrt/protocol.py bug found by the fuzzer: parse_line strips the whole line, "
+@pytest.mark.xfail(strict=True, reason="kvrt/serve/protocol.py bug found by the fuzzer: parse_line strips the whole line, "
                                        "so a DECODE prompt loses its trailing whitespace (reported to its owner)")
 def test_a_decode_prompt_keeps_its_trailing_whitespace():
     prompt = "The answer is "

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from kvrt.bindings import lib
 
 from kvrt import Context, Model
-from kvrt.bindings import lib
-from kvrt.generation import prefill
-from kvrt.ggml_memory import devices
+from kvrt.engine.generation import prefill
+from kvrt.engine.ggml_memory import devices
 
 pytestmark = pytest.mark.gpu
 

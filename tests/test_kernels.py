@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvrt.kernels import layer as kl
 
 SMALL = settings(max_examples=6, deadline=None)

@@ -1,4 +1,4 @@
-"""kvrt.layer: the real-layer math the streamer runs, checked on CPU.
+"""kvrt.stream.layer: the real-layer math the streamer runs, checked on CPU.
 
 The NumPy float32 path (the GPU test's reference) against float64; the kernel path
 (Numba kernels under the simulator, fp16 GEMM inputs like the GPU) against float64;
@@ -14,7 +14,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrt.layer import ALIGN, ArrayOps, KernelOps, LayerShape, attention, fill_random, forward, rope_tables, weights
+from kvrt.stream.layer import (
+    ALIGN,
+    ArrayOps,
+    KernelOps,
+    LayerShape,
+    attention,
+    fill_random,
+    forward,
+    rope_tables,
+    weights,
+)
 
 SMALL = LayerShape(n_embd=64, n_head=4, n_head_kv=2, n_ff=96, rope_base=10000.0)
 

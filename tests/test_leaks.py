@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from kvrt.context import Context
-from kvrt.generation import prefill
-from kvrt.hostpool import PAGE, HostPool, size_class
-from kvrt.model import Model
-from kvrt.snapshot import Snapshot
+from kvrt.engine.context import Context
+from kvrt.engine.generation import prefill
+from kvrt.engine.model import Model
+from kvrt.state.hostpool import PAGE, HostPool, size_class
+from kvrt.state.snapshot import Snapshot
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 2
 
@@ -119,10 +119,10 @@ def test_temporary_disk_snapshots_are_deleted_at_interpreter_exit(tiny_model_pat
     script = (
         "import sys, tempfile\n"
         "tempfile.tempdir = sys.argv[2]\n"
-        "from kvrt.context import Context\n"
-        "from kvrt.generation import prefill\n"
-        "from kvrt.model import Model\n"
-        "from kvrt.snapshot import Snapshot\n"
+        "from kvrt.engine.context import Context\n"
+        "from kvrt.engine.generation import prefill\n"
+        "from kvrt.engine.model import Model\n"
+        "from kvrt.state.snapshot import Snapshot\n"
         "model = Model(sys.argv[1])\n"
         "ctx = Context(model, n_ctx=256)\n"
         "prefill(ctx, model.tokenize('hello world'), logits_last=False)\n"

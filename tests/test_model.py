@@ -9,7 +9,7 @@ import pytest
 
 from kvrt import Context, Model
 from kvrt.errors import ClosedError, KvrtError, ModelLoadError
-from kvrt.testmodels import PRESETS
+from kvrt.modelfiles.testmodels import PRESETS
 
 TEXT = "Hello world, the quick brown fox jumps over the lazy dog. Ünïcödé ✓"
 
@@ -112,7 +112,7 @@ def test_bad_model_parameters_are_refused_before_loading(tiny_model_path: Path, 
 
 
 def test_model_parameters_reach_the_loaded_model(tiny_model_path: Path) -> None:
-    from kvrt.model import ModelParams
+    from kvrt.engine.model import ModelParams
 
     params = ModelParams(n_gpu_layers=0, use_mmap=False, use_mlock=False, use_extra_bufts=False, check_tensors=True)
     with Model(tiny_model_path, params) as model:
@@ -131,7 +131,7 @@ def test_borrowed_model_records_the_llama_cpp_parameters(tiny_model_path: Path) 
 
 
 def test_llama_cpp_llama_takes_the_machine_verdict(tiny_model_path: Path) -> None:
-    from kvrt.cpu import llama_cpp_llama, safe_extra_bufts
+    from kvrt.system.cpu import llama_cpp_llama, safe_extra_bufts
 
     llm = llama_cpp_llama(tiny_model_path, vocab_only=True, verbose=False)
     assert bool(llm.model_params.use_extra_bufts) is safe_extra_bufts().use_extra_bufts

@@ -23,9 +23,9 @@ openai = pytest.importorskip("openai", reason="the serve extra (pip install fast
 jsonschema = pytest.importorskip("jsonschema")
 
 from kvrt import Context, GenerationParams, generate  # noqa: E402
-from kvrt.engine_batch import Engine, EngineConfig  # noqa: E402
-from kvrt.openai_server import OpenAIServer  # noqa: E402
-from kvrt.sampling import SamplingParams  # noqa: E402
+from kvrt.engine.batching import Engine, EngineConfig  # noqa: E402
+from kvrt.engine.sampling import SamplingParams  # noqa: E402
+from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
 
 WAIT_S = 60.0
 
@@ -91,7 +91,7 @@ def test_streaming_chat_completion_on_the_demo_model(client, served, demo_model)
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes in (["length"], ["stop"])
     usage = chunks[-1].usage
-    from kvrt.chat import apply_chat_template
+    from kvrt.engine.chat import apply_chat_template
 
     prompt = demo_model.tokenize(apply_chat_template(demo_model, messages), parse_special=True)
     assert usage.prompt_tokens == len(prompt) and usage.completion_tokens == len(entries)
@@ -115,7 +115,7 @@ def test_json_object_uses_the_generic_object_grammar(client, served):
     (a JSON object of anything) and the output's start are checked."""
     from llama_cpp.llama_grammar import json_schema_to_gbnf
 
-    from kvrt.openai_schema import ResponseFormat, grammar_of
+    from kvrt.serve.openai_schema import ResponseFormat, grammar_of
 
     assert grammar_of(ResponseFormat(type="json_object")) == json_schema_to_gbnf('{"type": "object"}')
     response = client.chat.completions.create(

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from kvrt.checks import check_int, check_real, check_text, check_tokens
-from kvrt.context import Context
+from kvrt.engine.context import Context
+from kvrt.engine.generation import GenerationParams, generate
+from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import InvalidArgument, KvrtError
-from kvrt.generation import GenerationParams, generate
-from kvrt.sampling import SamplingParams
 
 
 @pytest.mark.parametrize("bad", [2.5, True, False, "3", None, 0, -1, 2**31], ids=repr)
@@ -96,8 +96,8 @@ def test_check_helpers_name_the_argument_and_the_value():
     ({"params": {"n_ctx": 256}}, "ContextParams"), ({"max_idle": -1}, "max_idle"), ({"max_idle": 1.5}, "max_idle"),
 ], ids=repr)
 def test_a_context_pool_checks_its_settings(tiny_model, kwargs, reason):
-    from kvrt.context import ContextParams
-    from kvrt.contextpool import ContextPool
+    from kvrt.engine.context import ContextParams
+    from kvrt.state.contextpool import ContextPool
 
     with pytest.raises(InvalidArgument, match=reason):
         ContextPool(tiny_model, **{"params": ContextParams(n_ctx=256), **kwargs})

@@ -6,12 +6,12 @@ import threading
 
 import pytest
 
-import kvrt.pipeline
-from kvrt.context import Context
+import kvrt.branching.pipeline
+from kvrt.branching.pipeline import BudgetError, CycleError, DependencyFailed, NodeFailed, Pipeline, PipelineError
+from kvrt.engine.context import Context
+from kvrt.engine.generation import GenerationParams, generate, prefill
+from kvrt.engine.model import Model
 from kvrt.errors import KvrtError
-from kvrt.generation import GenerationParams, generate, prefill
-from kvrt.model import Model
-from kvrt.pipeline import BudgetError, CycleError, DependencyFailed, NodeFailed, Pipeline, PipelineError
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 12
 SHORT = GenerationParams(max_tokens=6)
@@ -99,7 +99,7 @@ def test_budget_is_checked_before_any_allocation(tiny_model, monkeypatch):
     def no_allocation(*args, **kwargs):
         raise AssertionError("a context pool was created before the budget check")
 
-    monkeypatch.setattr(kvrt.pipeline, "ContextPool", no_allocation)
+    monkeypatch.setattr(kvrt.branching.pipeline, "ContextPool", no_allocation)
     doc = tiny_model.tokenize(TEXT)
     pipe = Pipeline(tiny_model, n_ctx=512)
     pipe.document("doc", doc)
@@ -122,14 +122,14 @@ def test_budget_is_checked_before_any_allocation(tiny_model, monkeypatch):
 def test_failures_propagate_to_dependents_and_spare_the_rest(tiny_model, monkeypatch):
     doc = tiny_model.tokenize(TEXT)
     bad = doc[:21]
-    real_prefill = kvrt.pipeline.prefill
+    real_prefill = kvrt.branching.pipeline.prefill
 
     def prefill_failing_on_bad(ctx, tokens, **kwargs):
         if list(tokens) == bad:
             raise KvrtError("injected prefill failure")
         return real_prefill(ctx, tokens, **kwargs)
 
-    monkeypatch.setattr(kvrt.pipeline, "prefill", prefill_failing_on_bad)
+    monkeypatch.setattr(kvrt.branching.pipeline, "prefill", prefill_failing_on_bad)
     pipe = Pipeline(tiny_model, n_ctx=1024, n_batch=16)
     pipe.document("good", doc)
     pipe.document("bad", bad)  # fails inside the prefill

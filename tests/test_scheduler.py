@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from kvrt.context import Context
+from kvrt.engine.context import Context
+from kvrt.engine.generation import GenerationParams, generate
+from kvrt.engine.model import Model
 from kvrt.errors import ModelLoadError
-from kvrt.estimate import EstimateError, ModelShape, context_estimate, parse_vram_table
-from kvrt.generation import GenerationParams, generate
-from kvrt.ledger import LedgerDenied, VramLedger
-from kvrt.model import Model
-from kvrt.registry import ModelRegistry, RegistryError
-from kvrt.scheduler import AgentExists, Scheduler, UnknownAgent
+from kvrt.serve.estimate import EstimateError, ModelShape, context_estimate, parse_vram_table
+from kvrt.serve.ledger import LedgerDenied, VramLedger
+from kvrt.serve.registry import ModelRegistry, RegistryError
+from kvrt.serve.scheduler import AgentExists, Scheduler, UnknownAgent
 
 N_CTX = 256
 PROMPTS = ["The fox", " jumps over", " the lazy dog"]

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvrt.context import Context
+from kvrt.engine.context import Context
+from kvrt.engine.generation import prefill
+from kvrt.engine.model import Model
 from kvrt.errors import DecodeError
-from kvrt.generation import prefill
-from kvrt.hostpool import PAGE, HostPool, HostPoolError, size_class
-from kvrt.model import Model
-from kvrt.snapshot import Snapshot, SnapshotCorrupt, SnapshotError, SnapshotMismatch, token_hash
+from kvrt.state.hostpool import PAGE, HostPool, HostPoolError, size_class
+from kvrt.state.snapshot import Snapshot, SnapshotCorrupt, SnapshotError, SnapshotMismatch, token_hash
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 6
 PROMPT = " In one word, the animal is"
@@ -262,7 +262,7 @@ def _rewrite_header(path: Path, edit) -> Path:
     import json
     import struct
 
-    from kvrt.snapshot import MAGIC, VERSION
+    from kvrt.state.snapshot import MAGIC, VERSION
 
     data = path.read_bytes()
     prefix = struct.Struct("<8sII")
@@ -306,7 +306,7 @@ def test_a_header_length_past_the_file_is_refused_as_such(snapshot, tmp_path):
 
 
 def test_a_header_length_past_the_limit_is_refused_even_in_a_large_file(snapshot, tmp_path):
-    from kvrt.snapshot import MAX_HEADER
+    from kvrt.state.snapshot import MAX_HEADER
 
     path = snapshot.save(tmp_path / "doc.kvs")
     data = bytearray(path.read_bytes())

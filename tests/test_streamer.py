@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrt.errors import KvrtError
-from kvrt.streamplan import (
+from kvrt.stream.streamplan import (
     POOL_ALIGN,
     Kind,
     RunTimes,
@@ -112,7 +112,7 @@ def test_slots_larger_than_free_device_memory_are_refused() -> None:
 
 
 def test_streamer_refuses_bad_config_before_looking_for_a_gpu() -> None:
-    from kvrt.streamer import LayerStreamer
+    from kvrt.stream.streamer import LayerStreamer
 
     with pytest.raises(StreamConfigError):
         LayerStreamer(StreamConfig.uniform(0, 1024))
@@ -120,7 +120,7 @@ def test_streamer_refuses_bad_config_before_looking_for_a_gpu() -> None:
 
 def test_streamer_says_there_is_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where CuPy cannot be imported (as on a machine without CUDA) the refusal says what is missing."""
-    from kvrt.streamer import LayerStreamer, NoGpuError
+    from kvrt.stream.streamer import LayerStreamer, NoGpuError
 
     monkeypatch.setitem(sys.modules, "cupy", None)
     with pytest.raises(NoGpuError, match="needs CuPy and a CUDA GPU"):
@@ -196,8 +196,8 @@ class _FakeCuda:
 
 @pytest.mark.parametrize("overlapped", [False, True])
 def test_streamer_executes_its_plan_op_by_op(monkeypatch: pytest.MonkeyPatch, overlapped: bool) -> None:
-    from kvrt.streamer import LayerStreamer
-    from kvrt.streamplan import Stream
+    from kvrt.stream.streamer import LayerStreamer
+    from kvrt.stream.streamplan import Stream
 
     fake = _FakeCuda()
     monkeypatch.setitem(sys.modules, "cupy", fake)
@@ -277,7 +277,7 @@ def fma_expected(layers: list[np.ndarray], iters: int) -> np.ndarray:
 @pytest.fixture
 def fma_streamer():
     """Six 4 MiB layers of random float32 in the pinned pool."""
-    from kvrt.streamer import LayerStreamer
+    from kvrt.stream.streamer import LayerStreamer
 
     streamer = LayerStreamer(StreamConfig.uniform(6, 4 << 20))
     rng = np.random.default_rng()
@@ -290,7 +290,7 @@ def fma_streamer():
 def fma_pass(streamer, *, overlapped: bool, iters: int, poison: bool) -> np.ndarray:
     import cupy as cp
 
-    from kvrt.streamwork import FmaWork
+    from kvrt.stream.streamwork import FmaWork
 
     fma = FmaWork(cp, streamer.config.layer_bytes[0], iters)
 
@@ -321,9 +321,9 @@ def test_serial_and_overlapped_fma_passes_are_identical_and_right(fma_streamer, 
 def test_real_layers_streamed_match_numpy_float32() -> None:
     import cupy as cp
 
-    from kvrt.layer import ArrayOps, LayerShape, fill_random, forward, rope_tables, weights
-    from kvrt.streamer import LayerStreamer
-    from kvrt.streamwork import LayerWork
+    from kvrt.stream.layer import ArrayOps, LayerShape, fill_random, forward, rope_tables, weights
+    from kvrt.stream.streamer import LayerStreamer
+    from kvrt.stream.streamwork import LayerWork
 
     shape = LayerShape(n_embd=256, n_head=4, n_head_kv=2, n_ff=512)
     tokens, n_layers = 24, 4

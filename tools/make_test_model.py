@@ -10,7 +10,7 @@ import argparse
 import sys
 import time
 
-from kvrt.testmodels import PRESETS, write_model
+from kvrt.modelfiles.testmodels import PRESETS, write_model
 
 
 def main() -> int:

@@ -34,7 +34,7 @@ VARIANTS: dict[str, tuple[str, dict[str, str]]] = {
 
 
 def main() -> int:
-    from kvrt.testmodels import write_model
+    from kvrt.modelfiles.testmodels import write_model
 
     model = write_model(Path(tempfile.mkdtemp()) / "tiny.gguf", "tiny")
     failures = 0

@@ -37,10 +37,10 @@ from pathlib import Path
 
 import kvrt  # noqa: F401  (loads llama.cpp before NumPy and CuPy: see DEVELOPING.md)
 from kvrt import Context, ContextParams, Model
-from kvrt.generation import prefill
-from kvrt.hostpool import HostPool
-from kvrt.snapshot import Snapshot
-from kvrt.testmodels import Shape, write_model
+from kvrt.engine.generation import prefill
+from kvrt.state.hostpool import HostPool
+from kvrt.state.snapshot import Snapshot
+from kvrt.modelfiles.testmodels import Shape, write_model
 
 import cupy
 import numpy as np

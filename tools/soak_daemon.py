@@ -31,10 +31,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvrt.client import Client, ConnectionLost, DaemonReplyError
-from kvrt.estimate import ModelShape, context_estimate
-from kvrt.protocol import HELP_LINES, MAX_LINE, parse_fields
-from kvrt.testmodels import write_model
+from kvrt.modelfiles.testmodels import write_model
+from kvrt.serve.client import Client, ConnectionLost, DaemonReplyError
+from kvrt.serve.estimate import ModelShape, context_estimate
+from kvrt.serve.protocol import HELP_LINES, MAX_LINE, parse_fields
 
 N_CTX_CHOICES = (256, 512)
 LIVE_CONTEXTS = 3

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _document(model, limit: int) -> list[int]:
-    from kvrt.demo_model import license_terms_text
+    from kvrt.modelfiles.demo_model import license_terms_text
 
     text = license_terms_text()
     start = text.find("Gemma Terms of Use")  # skip the site navigation above the terms
@@ -48,13 +48,13 @@ def _show_progress(name: str, done: int, total: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrt.benchmarks.fanout import run_baseline
-    from kvrt.context import ContextParams
-    from kvrt.demo_model import demo_model_path
-    from kvrt.branches import Branch
-    from kvrt.generation import GenerationParams
-    from kvrt.model import Model
-    from kvrt.pipeline import Pipeline
+    from kvrt.branching.baseline import run_baseline
+    from kvrt.branching.branches import Branch
+    from kvrt.branching.pipeline import Pipeline
+    from kvrt.engine.context import ContextParams
+    from kvrt.engine.generation import GenerationParams
+    from kvrt.engine.model import Model
+    from kvrt.modelfiles.demo_model import demo_model_path
 
     params = GenerationParams(max_tokens=args.max_tokens, stop=("\n\n",))
     with Model(args.model or demo_model_path(), n_gpu_layers=args.n_gpu_layers) as model:

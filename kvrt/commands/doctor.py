@@ -25,7 +25,7 @@ def _version(dist: str) -> str:
 
 def _llama() -> list[str]:
     from kvrt.bindings import ffi, ggml, lib, library_dir
-    from kvrt.ggml_memory import devices
+    from kvrt.engine.ggml_memory import devices
 
     out = [
         f"library dir     {library_dir()}",
@@ -44,7 +44,7 @@ def _llama() -> list[str]:
 
 
 def _cpu() -> list[str]:
-    from kvrt.cpu import cpu_info, safe_extra_bufts
+    from kvrt.system.cpu import cpu_info, safe_extra_bufts
 
     info = cpu_info()
     verdict = safe_extra_bufts()
@@ -74,7 +74,7 @@ def warnings_for(*, nvml_gpus: int, llama_gpu_offload: bool, cupy_usable: bool) 
 
 def _warnings() -> list[str]:
     from kvrt.bindings import lib
-    from kvrt.gpu import cupy_usable, nvidia_gpu_count
+    from kvrt.system.gpu import cupy_usable, nvidia_gpu_count
 
     found = warnings_for(nvml_gpus=nvidia_gpu_count(), llama_gpu_offload=bool(lib().llama_supports_gpu_offload()),
                          cupy_usable=cupy_usable())
@@ -98,7 +98,7 @@ def _nvml() -> list[str]:
 
 
 def _cupy() -> list[str]:
-    from kvrt.gpu import cupy_with_device
+    from kvrt.system.gpu import cupy_with_device
 
     return [f"cupy            {cupy_with_device()[1]}"]
 
@@ -111,11 +111,11 @@ def _numba() -> list[str]:
 
 
 def _demo() -> list[str]:
-    from kvrt.demo_model import INSTALL_HINT, is_installed
+    from kvrt.modelfiles.demo_model import INSTALL_HINT, is_installed
 
     if not is_installed():
         return [f"demo model      not installed ({INSTALL_HINT})"]
-    from kvrt.demo_model import demo_model_path
+    from kvrt.modelfiles.demo_model import demo_model_path
 
     return [f"demo model      {demo_model_path()}"]
 

@@ -2,7 +2,7 @@
 
 Try it with ``nc -U PATH`` (send HELP). The ledger's cap is ``--admit-percent`` of the
 GPU's memory as NVML reports it; on a machine without one, a stated share of host RAM
-(:mod:`kvrt.budget`), unless ``--capacity-bytes`` fixes it.
+(:mod:`kvrt.serve.budget`), unless ``--capacity-bytes`` fixes it.
 
 SIGTERM or Ctrl-C shuts down cleanly and within ``--shutdown-timeout-s``: the running
 request finishes, queued ones get ``ERR SHUTTING_DOWN``, agents are saved (with
@@ -24,7 +24,7 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvrt.daemon import Daemon
+    from kvrt.serve.daemon import Daemon
 
 HELP = "serve agents over a Unix socket (lmxd's protocol)"
 _SIGNAL_POLL_S = 0.2
@@ -32,7 +32,7 @@ log = logging.getLogger("kvrt.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvrt.daemon import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_STOP_TIMEOUT_S
+    from kvrt.serve.daemon import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_STOP_TIMEOUT_S
 
     parser.add_argument("--socket", required=True, help="Unix socket path (created 0600)")
     parser.add_argument("--capacity-bytes", type=int, default=None,
@@ -55,12 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrt.budget import choose_budget
-    from kvrt.daemon import Daemon
-    from kvrt.estimate import load_vram_table
-    from kvrt.ledger import VramLedger
-    from kvrt.registry import ModelRegistry
-    from kvrt.scheduler import Scheduler
+    from kvrt.serve.budget import choose_budget
+    from kvrt.serve.daemon import Daemon
+    from kvrt.serve.estimate import load_vram_table
+    from kvrt.serve.ledger import VramLedger
+    from kvrt.serve.registry import ModelRegistry
+    from kvrt.serve.scheduler import Scheduler
 
     signals = _Signals()
     table = load_vram_table(args.vram_table) if args.vram_table else None

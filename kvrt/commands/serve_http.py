@@ -57,10 +57,10 @@ def parse_address(text: str) -> tuple[str, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvrt.demo_model import demo_model_path
-    from kvrt.engine_batch import Engine, EngineConfig
-    from kvrt.model import Model
-    from kvrt.openai_server import OpenAIServer
+    from kvrt.engine.batching import Engine, EngineConfig
+    from kvrt.engine.model import Model
+    from kvrt.modelfiles.demo_model import demo_model_path
+    from kvrt.serve.openai_server import OpenAIServer
 
     host, port = parse_address(args.http)
     paths = [Path(p) for p in getattr(args, "model", None) or [demo_model_path()]]

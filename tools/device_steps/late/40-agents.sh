@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Admission control and time-slicing (issue 4, seed 003's lmxd) on the H200. Models: $MODELS/qwen2.5-7b.gguf
 # (Qwen2.5-7B shape, F16, random weights), $MODELS/llama3.2-1b.gguf, and a wide-KV small shape written here
-# (kvrt.benchmarks.agents.WIDE_KV: 32 layers, tiny weights, 32 KiB of KV per token).
+# (kvrt_bench.agents.WIDE_KV: 32 layers, tiny weights, 32 KiB of KV per token).
 # Writes $RESULTS/agents/. Budget: ~120 s of wall time. Measures, in this order (each with its own timeout;
 # the swap round trip is step 35-swap):
 #   1. 50 agents over the three models, closed loop, ledger budget = weights + 6 live contexts (so agents
@@ -26,7 +26,7 @@ WIDE="$OUT_DIR/wide-kv.gguf"
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci
 for m in "$QWEN" "$LLAMA"; do [ -f "$m" ] || { echo "missing $m"; exit 1; }; done
-python3 -c "import sys; from kvrt.benchmarks.agents import WIDE_KV; from kvrt.testmodels import write_model; \
+python3 -c "import sys; from kvrt_bench.agents import WIDE_KV; from kvrt.modelfiles.testmodels import write_model; \
 write_model(sys.argv[1], WIDE_KV)" "$WIDE" || { echo "cannot write $WIDE"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
 

@@ -1,0 +1,358 @@
+"""A DAG of agents over shared documents: prefill once, branches start at their watermark.
+
+Three kinds of node:
+
+- a **document** is prefilled once; at every watermark some branch asked for (and at
+  its end) its state is captured into a host :class:`kvrt.state.snapshot.Snapshot`;
+- a **branch** restores the snapshot of the first ``need_tokens`` document tokens
+  (default: all of them) into a pooled context and generates - it starts as soon as
+  the prefill has committed those tokens, at any K, because the prefill is cut into
+  segments that end exactly at every watermark (SwarmKV only handled multiples of its
+  128-token chunk);
+- a **function** node receives its dependencies' outputs and returns its own.
+
+Before anything is allocated, :meth:`Pipeline.run` checks names, dependencies, cycles
+(naming the edge that closes one) and every branch's context budget (with every
+number). A failing node fails its dependents at once, with the cause chained; nodes
+that do not depend on it finish normally. Branches run in isolated mode (own context
+each), which is what lets them start while the prefill is still running.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrt.branching.branches import Branch, FanoutError, branch_budget, run_isolated
+from kvrt.checks import INT32_MAX, check_int, prompt_tokens, shown
+from kvrt.engine.context import ContextParams
+from kvrt.engine.generation import GenerationParams, prefill
+from kvrt.engine.model import Model
+from kvrt.errors import KvrtError
+from kvrt.state.contextpool import ContextPool
+from kvrt.state.hostpool import HostPool
+from kvrt.state.snapshot import Snapshot
+
+PipelineProgress = Callable[[str, int, int], None]
+"""Called as ``progress(document_name, tokens_committed, tokens_total)`` during a prefill."""
+
+
+class PipelineError(KvrtError):
+    """The pipeline is malformed or a node failed."""
+
+
+class CycleError(PipelineError):
+    """The dependencies form a cycle; ``edge`` is the (from, to) pair that closes it."""
+
+    def __init__(self, edge: tuple[str, str], cycle: list[str]) -> None:
+        self.edge = edge
+        self.cycle = cycle
+        super().__init__(f"dependency {edge[0]!r} -> {edge[1]!r} closes a cycle: {' -> '.join(cycle)}")
+
+
+class BudgetError(PipelineError):
+    """A branch cannot fit its document prefix, prompt and generation in one context."""
+
+
+class DependencyFailed(PipelineError):
+    """A node did not run because something it depends on failed (the cause is chained)."""
+
+
+class NodeFailed(PipelineError):
+    """Raised by :meth:`Pipeline.run` when nodes failed; ``result`` holds everything that did finish."""
+
+    def __init__(self, result: PipelineResult) -> None:
+        self.result = result
+        names = ", ".join(f"{k}: {type(v).__name__}: {v}" for k, v in result.errors.items())
+        super().__init__(f"{len(result.errors)} pipeline node(s) failed: {names}")
+
+
+@dataclass
+class _Document:
+    name: str
+    tokens: list[int]
+    deps: tuple[str, ...] = ()
+
+
+@dataclass
+class _BranchNode:
+    name: str
+    branch: Branch
+    after: str
+    need_tokens: int | None
+
+    @property
+    def deps(self) -> tuple[str, ...]:
+        return (self.after,)
+
+
+@dataclass
+class _Function:
+    name: str
+    fn: Callable[[dict[str, Any]], Any]
+    deps: tuple[str, ...]
+
+
+_Node = _Document | _BranchNode | _Function
+
+
+@dataclass
+class PipelineResult:
+    """Outputs of the nodes that finished, errors of those that did not, and per-node timings (ms).
+
+    A document's output is its token count; a branch's its :class:`kvrt.engine.generation.Completion`.
+    Timings hold ``start_ms``/``end_ms`` (from the start of ``run``) and kind-specific
+    entries: ``prefill_ms`` and ``watermark_ms`` for documents; ``activation_ms``,
+    ``restore_ms`` and ``decode_ms`` for branches.
+    """
+
+    outputs: dict[str, Any] = field(default_factory=dict)
+    errors: dict[str, BaseException] = field(default_factory=dict)
+    timings_ms: dict[str, dict[str, Any]] = field(default_factory=dict)
+    total_ms: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+class Pipeline:
+    """Named documents, branches and functions with dependencies (see the module docstring).
+
+    ``n_ctx`` is the size of every branch's context (the budget each branch is checked
+    against); ``max_workers`` bounds how many nodes run at once; ``flash_attn`` is passed
+    to every context (see :class:`kvrt.engine.context.ContextParams`).
+    """
+
+    def __init__(self, model: Model, *, n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None,
+                 max_workers: int = 4, host_pool: HostPool | None = None, flash_attn: str = "auto") -> None:
+        check_int(n_batch, "n_batch", low=1, high=INT32_MAX, error=PipelineError)
+        check_int(max_workers, "max_workers", low=1, high=1024, error=PipelineError)
+        if host_pool is not None and not isinstance(host_pool, HostPool):
+            raise PipelineError(f"host_pool must be a HostPool or None, got {shown(host_pool)}")
+        self.model = model
+        self.params = ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512), n_threads=n_threads,
+                                    flash_attn=flash_attn)
+        self.max_workers = max_workers
+        self.host_pool = host_pool
+        self._nodes: dict[str, _Node] = {}
+
+    # -- building -----------------------------------------------------------------------
+    def _check_name(self, name: object) -> str:
+        """A new node's name: a non-empty string not taken yet."""
+        if not isinstance(name, str) or not name:
+            raise PipelineError(f"a pipeline node needs a non-empty name (str), got {shown(name)}")
+        if name in self._nodes:
+            raise PipelineError(f"a node named {name!r} already exists")
+        return name
+
+    def document(self, name: str, source: str | Sequence[int]) -> None:
+        """A shared document (text, tokenized with BOS, or token ids) prefilled once; checked and tokenized now."""
+        self._check_name(name)
+        tokens = prompt_tokens(self.model, source, f"document {name!r}", add_special=True, error=PipelineError)
+        self._nodes[name] = _Document(name, tokens)
+
+    def branch(self, name: str, prompt: str, *, after: str, params: GenerationParams | None = None,
+               need_tokens: int | None = None) -> None:
+        """A branch continuing document ``after`` (its first ``need_tokens`` tokens, default all)."""
+        self._check_name(name)
+        if need_tokens is not None:
+            check_int(need_tokens, f"branch {name!r}: need_tokens", low=1, high=INT32_MAX, error=PipelineError)
+        try:
+            branch = Branch(prompt, GenerationParams() if params is None else params, name)
+        except FanoutError as exc:
+            raise PipelineError(str(exc)) from exc
+        self._nodes[name] = _BranchNode(name, branch, after, need_tokens)
+
+    def node(self, name: str, fn: Callable[[dict[str, Any]], Any], *, deps: Sequence[str] = ()) -> None:
+        """A function of its dependencies' outputs (``{dep_name: output}``)."""
+        self._check_name(name)
+        if not callable(fn):
+            raise PipelineError(f"node {name!r}: fn must be callable, got {shown(fn)}")
+        if isinstance(deps, str) or not isinstance(deps, Sequence) or not all(isinstance(d, str) for d in deps):
+            raise PipelineError(f"node {name!r}: deps must be a list of node names, got {shown(deps)}")
+        self._nodes[name] = _Function(name, fn, tuple(deps))
+
+    # -- validation (nothing allocated) -----------------------------------------------
+    def _check_graph(self) -> None:
+        for node in self._nodes.values():
+            for dep in node.deps:
+                if dep not in self._nodes:
+                    raise PipelineError(f"node {node.name!r} depends on {dep!r}, which does not exist")
+            if isinstance(node, _BranchNode) and not isinstance(self._nodes[node.after], _Document):
+                raise PipelineError(f"branch {node.name!r} must follow a document; {node.after!r} is not one")
+        white, grey, black = 0, 1, 2
+        colour = dict.fromkeys(self._nodes, white)
+        path: list[str] = []
+
+        def visit(name: str) -> None:
+            colour[name] = grey
+            path.append(name)
+            for dep in self._nodes[name].deps:
+                if colour[dep] == grey:
+                    cycle = path[path.index(dep):] + [dep]
+                    raise CycleError((name, dep), cycle)
+                if colour[dep] == white:
+                    visit(dep)
+            path.pop()
+            colour[name] = black
+
+        for name in self._nodes:
+            if colour[name] == white:
+                visit(name)
+
+    def _plan(self) -> tuple[dict[str, list[int]], dict[str, int]]:
+        """Document tokens and each branch's watermark, after checking every budget."""
+        docs: dict[str, list[int]] = {}
+        for node in self._nodes.values():
+            if isinstance(node, _Document):
+                if len(node.tokens) > self.params.n_ctx:
+                    raise BudgetError(f"document {node.name!r} has {len(node.tokens)} tokens > "
+                                      f"n_ctx={self.params.n_ctx}")
+                docs[node.name] = node.tokens
+        marks: dict[str, int] = {}
+        for node in self._nodes.values():
+            if not isinstance(node, _BranchNode):
+                continue
+            doc_len = len(docs[node.after])
+            mark = node.need_tokens or doc_len
+            if mark > doc_len:
+                raise BudgetError(f"branch {node.name!r} needs the first {mark} tokens of {node.after!r}, "
+                                  f"which has only {doc_len}")
+            prompt, need = branch_budget(self.model, node.branch)
+            total = mark + need
+            if total > self.params.n_ctx:
+                raise BudgetError(
+                    f"branch {node.name!r} does not fit its context: document prefix {mark} + prompt {len(prompt)} "
+                    f"+ max_tokens {node.branch.params.max_tokens} = {total} tokens > n_ctx={self.params.n_ctx}")
+            marks[node.name] = mark
+        return docs, marks
+
+    # -- running --------------------------------------------------------------------------
+    def run(self, *, progress: PipelineProgress | None = None, raise_errors: bool = True) -> PipelineResult:
+        """Run every node; raises :class:`NodeFailed` (with the partial result) if any failed."""
+        self._check_graph()
+        docs, marks = self._plan()
+        result = _Run(self, docs, marks, progress).execute()
+        if raise_errors and result.errors:
+            raise NodeFailed(result)
+        return result
+
+
+class _Run:
+    """One execution: a scheduler on the calling thread, nodes on worker threads.
+
+    Workers report through one queue: ``("mark", doc, K)`` when a watermark snapshot is
+    ready and ``("done", name, output)`` / ``("fail", name, exc)`` exactly once per node,
+    so the scheduler always learns how every node ended and never waits forever.
+    """
+
+    def __init__(self, pipeline: Pipeline, docs: dict[str, list[int]], marks: dict[str, int],
+                 progress: PipelineProgress | None) -> None:
+        self.p = pipeline
+        self.docs = docs
+        self.marks = marks
+        self.progress = progress
+        self.events: queue.Queue[tuple[str, str, Any]] = queue.Queue()
+        self.snapshots: dict[tuple[str, int], Snapshot] = {}
+        self.result = PipelineResult()
+        self.state: dict[str, str] = dict.fromkeys(pipeline._nodes, "waiting")
+        self.t0 = 0.0
+
+    def _ms(self) -> float:
+        return (time.perf_counter() - self.t0) * 1e3
+
+    def execute(self) -> PipelineResult:
+        self.t0 = time.perf_counter()
+        pool = ContextPool(self.p.model, self.p.params, max_idle=self.p.max_workers)
+        try:
+            with ThreadPoolExecutor(self.p.max_workers, thread_name_prefix="kvrt-pipeline") as executor:
+                self._schedule(executor, pool)
+                while any(s in ("waiting", "running") for s in self.state.values()):
+                    kind, name, payload = self.events.get()
+                    if kind == "mark":
+                        self._schedule(executor, pool)
+                        continue
+                    self.result.timings_ms.setdefault(name, {})["end_ms"] = self._ms()
+                    if kind == "done":
+                        self.state[name] = "done"
+                        self.result.outputs[name] = payload
+                    else:
+                        self.state[name] = "failed"
+                        self.result.errors[name] = payload
+                        self._fail_dependents(name, payload)
+                    self._schedule(executor, pool)
+        finally:
+            for snapshot in self.snapshots.values():
+                snapshot.release()
+            pool.close()
+        self.result.total_ms = self._ms()
+        return self.result
+
+    def _ready(self, node: _Node) -> bool:
+        if isinstance(node, _BranchNode):
+            return (node.after, self.marks[node.name]) in self.snapshots
+        return all(self.state[d] == "done" for d in node.deps)
+
+    def _schedule(self, executor: ThreadPoolExecutor, pool: ContextPool) -> None:
+        for name, node in self.p._nodes.items():
+            if self.state[name] == "waiting" and self._ready(node):
+                self.state[name] = "running"
+                self.result.timings_ms[name] = {"start_ms": self._ms()}
+                executor.submit(self._guarded, node, pool)
+
+    def _fail_dependents(self, failed: str, cause: BaseException) -> None:
+        """Fail every waiting node that depends on ``failed``, directly or not, at once."""
+        for name, node in self.p._nodes.items():
+            if self.state[name] == "waiting" and failed in node.deps:
+                error = DependencyFailed(f"{name!r} did not run: {failed!r} failed: {type(cause).__name__}: {cause}")
+                error.__cause__ = cause
+                self.state[name] = "failed"
+                self.result.errors[name] = error
+                self._fail_dependents(name, error)
+
+    def _guarded(self, node: _Node, pool: ContextPool) -> None:
+        try:
+            output = self._execute(node, pool)
+        except BaseException as exc:  # reported to the scheduler, never swallowed
+            self.events.put(("fail", node.name, exc))
+        else:
+            self.events.put(("done", node.name, output))
+
+    def _execute(self, node: _Node, pool: ContextPool) -> Any:
+        if isinstance(node, _Document):
+            return self._prefill(node, pool)
+        if isinstance(node, _BranchNode):
+            snapshot = self.snapshots[(node.after, self.marks[node.name])]
+            branch = run_isolated(snapshot, node.branch, pool)
+            self.result.timings_ms[node.name].update(activation_ms=branch.activation_ms, restore_ms=branch.restore_ms,
+                                                     decode_ms=branch.total_ms - branch.activation_ms)
+            return branch.completion
+        return node.fn({d: self.result.outputs[d] for d in node.deps})
+
+    def _prefill(self, node: _Document, pool: ContextPool) -> int:
+        tokens = self.docs[node.name]
+        total = len(tokens)
+        wanted = sorted({m for b, m in self.marks.items() if self.p._nodes[b].deps == (node.name,)} | {total})
+        timings = self.result.timings_ms[node.name]
+        watermark_ms: dict[int, float] = {}
+        t_start = time.perf_counter()
+        with pool.lease() as ctx:
+            begin = 0
+            for mark in wanted:
+                def report(done: int, _n: int, offset: int = begin) -> None:
+                    if self.progress is not None:
+                        self.progress(node.name, offset + done, total)
+
+                prefill(ctx, tokens[begin:mark], start_pos=begin, progress=report, logits_last=False)
+                self.snapshots[(node.name, mark)] = Snapshot.capture(ctx, 0, pool=self.p.host_pool,
+                                                                     tokens=tokens[:mark])
+                watermark_ms[mark] = (time.perf_counter() - t_start) * 1e3
+                self.events.put(("mark", node.name, mark))
+                begin = mark
+        timings.update(prefill_ms=(time.perf_counter() - t_start) * 1e3, watermark_ms=watermark_ms)
+        return total

@@ -1,0 +1,434 @@
+"""Continuous batching: many requests share one llama.cpp context and one ``llama_decode`` per step.
+
+An :class:`Engine` owns one context with ``kv_unified=True`` and ``n_seq_max`` sequence
+slots, and a worker thread that repeats :meth:`Engine.step`:
+
+1. hooks and housekeeping: ``before_step()`` (e.g. growing the context), commands
+   from other threads (unpin), cancelled and expired requests end;
+2. admission: waiting requests, first come first served, get slots; the longest
+   token prefix any slot already holds is shared with ``seq_cp`` (the prefix cache of
+   :mod:`kvrt.state.prefix_cache`), so only the rest of the prompt is prefilled;
+3. one :class:`kvrt.engine.batch.Batch`: the last sampled token of every decoding choice,
+   then prompt chunks of at most ``prefill_chunk`` tokens per request, round robin, up
+   to ``n_batch`` tokens: a long prompt never stalls the others for more than a chunk;
+4. one ``ctx.decode``; then the mirror of the cells is updated, the forks of ``n > 1``
+   requests share the chunk's cells, ``after_chunk(p0, p1)`` hooks run, and every row
+   with logits is sampled by its choice's own sampler and streamed out.
+
+A request that can never fit (prompt + max_tokens beyond the cells, more choices than
+slots) is refused with :class:`kvrt.engine.requests.RequestTooLarge` before anything is
+allocated; one that fits later waits. Nothing a refusal does touches running requests.
+All llama.cpp calls happen on the worker thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from typing import Any
+
+from kvrt.engine.admission import EngineConfig, Pending, check_fits, check_tokens, place
+from kvrt.engine.batch import Batch
+from kvrt.engine.context import Context
+from kvrt.engine.generation import GenerationParams
+from kvrt.engine.live import Choice, Live
+from kvrt.engine.model import Model
+from kvrt.engine.requests import (
+    ChoiceEnd,
+    EngineClosed,
+    EngineError,
+    EngineOverloaded,
+    Request,
+    RequestEnd,
+    RequestStream,
+    RequestTooLarge,
+    TokenEvent,
+    token_logprobs,
+)
+from kvrt.engine.sampling import Sampler
+from kvrt.errors import DecodeError, KvrtError
+from kvrt.state.prefix_cache import PrefixCache
+
+log = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 0.5  # an idle worker re-checks deadlines this often (never part of any assertion)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters since the engine started and its state now (read without stopping the worker:
+    exact whenever the engine is idle)."""
+
+    steps: int
+    prefilled_tokens: int  # prompt tokens decoded
+    reused_tokens: int  # prompt tokens taken from the prefix cache instead
+    decoded_tokens: int  # sampled tokens decoded
+    queued: int
+    active: int
+    used_cells: int
+    n_cells: int
+    slots: tuple[str, ...]
+
+
+@dataclass
+class _Row:
+    """One request's part of a step's batch: a decode token of ``choice``, or prompt positions [p0, p1)."""
+
+    live: Live
+    row: int
+    choice: Choice | None = None
+    p0: int = 0
+    p1: int = 0
+
+
+class Engine:
+    """Continuous batching over one model (see the module docstring); use as a context manager."""
+
+    def __init__(self, model: Model, config: EngineConfig | None = None, *,
+                 before_step: Callable[[], None] | None = None, **overrides: Any) -> None:
+        self.config = replace(config or EngineConfig(), **overrides)
+        self.model = model
+        self.before_step = before_step
+        self.ctx = Context(model, self.config.context_params())
+        try:
+            self.cache = PrefixCache(self.ctx)
+            self.batch = Batch(self.ctx.n_batch)
+        except BaseException:
+            self.ctx.close()
+            raise
+        self._lock = threading.Lock()
+        self._queue: deque[Pending] = deque()
+        self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._live: list[Live] = []
+        self._pins: dict[str, int] = {}
+        self._ids = itertools.count(1)
+        self._wake = threading.Event()
+        self._closing = False
+        self._steps = self._prefilled = self._reused = self._decoded = 0
+        self._thread = threading.Thread(target=self._run, name=f"kvrt-engine-{model.path.stem}", daemon=True)
+        self._thread.start()
+
+    # -- other threads' side ----------------------------------------------------------
+    @property
+    def n_cells(self) -> int:
+        return self.ctx.n_ctx
+
+    def submit(self, request: Request, *, notify: Callable[[], None] | None = None) -> RequestStream:
+        """Queue ``request``; its events arrive on the returned stream (see :class:`RequestStream`).
+
+        Raises :class:`RequestTooLarge` for what can never fit, :class:`EngineOverloaded`
+        when ``max_queue`` requests already wait, and the sampler's error for a bad grammar.
+        """
+        check_fits(request, self.n_cells, self.cache.n_slots, self.model.n_vocab)
+        samplers: list[Sampler] = []
+        try:
+            for i in range(request.n):
+                sampling = request.params.sampling
+                samplers.append(Sampler(replace(sampling, seed=(sampling.seed + i) % 2**32), model=self.model))
+            return self._enqueue(Pending(self._stream("req", request, notify), samplers))
+        except BaseException:
+            for sampler in samplers:
+                sampler.close()
+            raise
+
+    def pin(self, tokens: Sequence[int], *, notify: Callable[[], None] | None = None) -> RequestStream:
+        """Prefill ``tokens`` (sharing any cached prefix) and keep their cells until :meth:`unpin`.
+
+        The stream's id is the pin's id; its :class:`RequestEnd` says the prefix is in.
+        """
+        request = Request(tokens, GenerationParams(max_tokens=1))
+        if len(request.prompt) > self.n_cells:
+            raise RequestTooLarge(f"a pin of {len(request.prompt)} tokens exceeds the context's {self.n_cells} cells")
+        check_tokens(request, self.model.n_vocab)
+        return self._enqueue(Pending(self._stream("pin", request, notify), [], pin=True))
+
+    def unpin(self, pin_id: str) -> Future[bool]:
+        """Let a pinned prefix be evicted again; the future says whether ``pin_id`` was pinned."""
+        return self._call(lambda: self._unpin(pin_id))
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            queued = len(self._queue)
+        return EngineStats(self._steps, self._prefilled, self._reused, self._decoded, queued, len(self._live),
+                           self.cache.used_cells, self.n_cells, tuple(self.cache.describe()))
+
+    def close(self) -> None:
+        """Stop the worker; waiting and running requests end with :class:`EngineClosed`."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._wake.set()
+        self._thread.join()
+        self._fail_all(EngineClosed("the engine was closed"))
+        self.batch.close()
+        self.ctx.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _stream(self, kind: str, request: Request, notify: Callable[[], None] | None) -> RequestStream:
+        return RequestStream(f"{kind}-{next(self._ids)}", request, notify=notify, on_cancel=self._wake.set)
+
+    def _enqueue(self, pending: Pending) -> RequestStream:
+        with self._lock:
+            if self._closing:
+                raise EngineClosed("the engine is closed")
+            if len(self._queue) >= self.config.max_queue:
+                raise EngineOverloaded(f"{len(self._queue)} requests are waiting (max_queue="
+                                       f"{self.config.max_queue}); retry later")
+            self._queue.append(pending)
+        self._wake.set()
+        return pending.stream
+
+    def _call(self, fn: Callable[[], Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        with self._lock:
+            if self._closing:
+                raise EngineClosed("the engine is closed")
+            self._commands.append((fn, future))
+        self._wake.set()
+        return future
+
+    # -- the worker ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._closing:
+            try:
+                busy = self.step()
+            except Exception as exc:  # a bug: fail what runs, keep serving the next requests
+                log.exception("engine step failed")
+                self._fail_all(EngineError(f"the engine's step failed: {exc!r}"), queued=False)
+                busy = False
+            if not busy:
+                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.clear()
+
+    def step(self) -> bool:
+        """One turn of the loop (on the worker thread); False when there was nothing to decode."""
+        if self.before_step is not None:
+            self.before_step()
+        self._run_commands()
+        self._reap(time.monotonic())
+        self._admit()
+        rows = self._fill()
+        if not rows:
+            return False
+        if self._decode(rows):
+            self._steps += 1
+            self._advance(rows)
+            self._sample(rows)
+        return True
+
+    def _run_commands(self) -> None:
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return
+                fn, future = self._commands.popleft()
+            try:
+                future.set_result(fn())
+            except Exception as exc:
+                future.set_exception(exc)
+
+    def _reap(self, now: float) -> None:
+        """End cancelled and expired requests, waiting or running."""
+        def reason(stream: RequestStream) -> str | None:
+            deadline = stream.request.deadline
+            return "cancelled" if stream.cancelled else "deadline" if deadline is not None and now >= deadline \
+                else None
+
+        with self._lock:
+            gone = [p for p in self._queue if reason(p.stream)]
+            for pending in gone:
+                self._queue.remove(pending)
+        for pending in gone:
+            self._end_pending(pending, reason(pending.stream) or "cancelled")
+        for live in [x for x in self._live if reason(x.stream)]:
+            self._finish_all(live, reason(live.stream) or "cancelled")
+
+    def _admit(self) -> None:
+        """Waiting requests become live, in order, while slots and cells allow."""
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return
+                pending = self._queue[0]
+            try:
+                reserved = sum(live.future_cells() for live in self._live)
+                live = place(self.cache, self.model, pending, reserved)
+            except RequestTooLarge as exc:
+                with self._lock:
+                    self._queue.popleft()
+                self._end_pending(pending, "error", exc)
+                continue
+            if live is None:
+                return
+            with self._lock:
+                self._queue.popleft()
+            self._reused += live.reused
+            self._live.append(live)
+
+    def _fill(self) -> list[_Row]:
+        """This step's batch: every decoding choice's token, then prompt chunks within the budget."""
+        batch, rows = self.batch, []
+        batch.clear()
+        for live in self._live:
+            for choice in live.choices:
+                if choice.pending is not None:
+                    rows.append(_Row(live, batch.add(choice.pending, choice.pos, choice.slot, logits=True), choice))
+        budget = self.ctx.n_batch - len(rows)
+        prefilling = [live for live in self._live if live.prefilling]
+        turn = self._steps % len(prefilling) if prefilling else 0
+        for live in prefilling[turn:] + prefilling[:turn]:
+            take = min(budget, self.config.prefill_chunk, len(live.prompt) - live.prefilled)
+            if take <= 0:
+                break
+            p0, p1 = live.prefilled, live.prefilled + take
+            last = p1 == len(live.prompt) and not live.pin
+            rows.append(_Row(live, batch.add_sequence(live.prompt[p0:p1], p0, live.slot, logits_last=last),
+                             p0=p0, p1=p1))
+            budget -= take
+        return rows
+
+    def _decode(self, rows: list[_Row]) -> bool:
+        """``ctx.decode`` of the batch; on failure the requests in it fail (nothing else is touched).
+
+        Code 1 (no free cells; llama.cpp rolled its memory back) first evicts every unpinned
+        cached prefix and tries once more.
+        """
+        for attempt in range(2):
+            try:
+                self.ctx.decode(self.batch)
+                return True
+            except DecodeError as exc:
+                if attempt == 0 and exc.code == 1 and self.cache.evict_all():
+                    continue
+                for live in {id(r.live): r.live for r in rows}.values():
+                    self._fail(live, exc)
+        return False
+
+    def _advance(self, rows: list[_Row]) -> None:
+        """Mirror the decoded cells, share prompt chunks with the forks, run ``after_chunk`` hooks."""
+        for r in rows:
+            live = r.live
+            if r.choice is not None:
+                self.cache.appended(r.choice.slot, [r.choice.pending])  # type: ignore[list-item]
+                r.choice.pos += 1
+                self._decoded += 1
+                continue
+            self.cache.appended(live.slot, live.prompt[r.p0:r.p1])
+            live.prefilled = r.p1
+            self._prefilled += r.p1 - r.p0
+            for choice in live.choices[1:]:
+                self.cache.copy_prefix(live.slot, choice.slot, r.p0, r.p1)
+            if live.request.after_chunk is not None:
+                try:
+                    live.request.after_chunk(r.p0, r.p1)
+                except Exception as exc:
+                    self._fail(live, EngineError(f"after_chunk({r.p0}, {r.p1}) raised {exc!r}"))
+
+    def _sample(self, rows: list[_Row]) -> None:
+        """Each row with logits is sampled by its choice(s); finished requests end."""
+        for r in rows:
+            live = r.live
+            if live.ended:
+                continue
+            if r.choice is not None:
+                self._pick(live, r.choice, r.row)
+            elif not live.prefilling and live.pin:
+                self.cache.release(live.slot)
+                self.cache.pin(live.slot)
+                self._pins[live.stream.id] = live.slot
+            elif not live.prefilling:
+                for choice in live.choices:
+                    choice.pos = len(live.prompt)
+                    self._pick(live, choice, r.row)
+            if live.done:
+                self._end(live)
+
+    def _pick(self, live: Live, choice: Choice, row: int) -> None:
+        token = choice.sampler.sample(self.ctx, row)
+        if token in live.request.stop_token_ids:
+            self._finish(live, choice, "stop")
+            return
+        k = live.request.logprobs
+        logprob = token_logprobs(self.ctx.logits(row), token, k) if k is not None else None
+        done = choice.stream.accept(token)
+        if choice.stream.finish_reason != "eog":
+            live.stream.push(TokenEvent(choice.index, token, choice.release(), logprob))
+        if done:
+            self._finish(live, choice, choice.stream.finish_reason or "length")
+        else:
+            choice.pending = token
+
+    # -- endings ----------------------------------------------------------------------
+    def _finish(self, live: Live, choice: Choice, reason: str) -> None:
+        """One choice is over: its slot's cells stay cached, its sampler is freed."""
+        choice.finish_reason, choice.pending = reason, None
+        choice.sampler.close()
+        self.cache.release(choice.slot)
+        live.stream.push(ChoiceEnd(choice.index, reason, choice.stream.text, tuple(choice.stream.tokens),
+                                   choice.rest()))
+
+    def _finish_all(self, live: Live, reason: str, error: KvrtError | None = None) -> None:
+        if live.pin:
+            self.cache.release(live.slot)
+        for choice in live.choices:
+            if choice.finish_reason is None:
+                self._finish(live, choice, reason)
+        self._end(live, error)
+
+    def _fail(self, live: Live, error: KvrtError) -> None:
+        """A failed request ends with ``error``; its slots are emptied (their cells may be partial)."""
+        if live.ended:
+            return
+        self._finish_all(live, "error", error)
+        for slot in live.slots:
+            if slot not in self.cache.pinned:
+                self.cache.evict(slot)
+
+    def _end(self, live: Live, error: KvrtError | None = None) -> None:
+        if live.ended:
+            return
+        live.ended = True
+        self._live.remove(live)
+        completion = sum(len(c.stream.tokens) for c in live.choices)
+        live.stream.push(RequestEnd(len(live.prompt), live.reused, completion, error))
+
+    def _end_pending(self, pending: Pending, reason: str, error: KvrtError | None = None) -> None:
+        for sampler in pending.samplers:
+            sampler.close()
+        request = pending.stream.request
+        for i in range(0 if pending.pin else request.n):
+            pending.stream.push(ChoiceEnd(i, reason, "", ()))
+        pending.stream.push(RequestEnd(len(request.prompt), 0, 0, error))
+
+    def _fail_all(self, error: KvrtError, *, queued: bool = True) -> None:
+        with self._lock:
+            waiting = list(self._queue) if queued else []
+            commands = list(self._commands) if queued else []
+            if queued:
+                self._queue.clear()
+                self._commands.clear()
+        for pending in waiting:
+            self._end_pending(pending, "error", error)
+        for _, future in commands:
+            future.set_exception(error)
+        for live in list(self._live):
+            self._fail(live, error)
+
+    def _unpin(self, pin_id: str) -> bool:
+        slot = self._pins.pop(pin_id, None)
+        if slot is None:
+            return False
+        self.cache.unpin(slot)
+        return True

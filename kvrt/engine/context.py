@@ -1,0 +1,302 @@
+"""A llama.cpp inference context: KV memory, decoding, logits and state.
+
+:class:`Context` owns one ``llama_context *``. Every call that llama.cpp could
+abort the process on (a logits row that was not computed, a token outside the
+vocabulary, a position past the context) is checked here first; every return code
+that llama.cpp does give back becomes a :class:`kvrt.errors.KvrtError`.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from kvrt._handle import NativeHandle, OwnsHandle
+from kvrt.bindings import FLASH_ATTN, STATE_SEQ_FLAGS_NONE, capture, explain, ffi, lib
+from kvrt.engine.batch import Batch
+from kvrt.engine.model import Model
+from kvrt.errors import ContextError, DecodeError, KvrtError, StateError
+
+_DECODE_CODES = {
+    1: "no KV slot for the batch (the context is full: free sequences or use a larger n_ctx)",
+    2: "aborted by the abort callback",
+    -1: "invalid input batch",
+}
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    """The context parameters kvrt sets; everything else keeps llama.cpp's default.
+
+    ``n_ctx`` counts token cells of the whole context. With ``kv_unified`` all
+    sequences draw on one pool of cells (what prefix sharing needs); without it each of
+    the ``n_seq_max`` sequences gets ``n_ctx / n_seq_max`` cells of its own. llama.cpp
+    rounds ``n_ctx`` up to a multiple of 256: :attr:`Context.n_ctx` is the real size.
+    """
+
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_seq_max: int = 1
+    kv_unified: bool = False
+    n_threads: int | None = None
+    flash_attn: str = "auto"
+    offload_kqv: bool = True
+    swa_full: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise KvrtError(f"ContextParams.{name} must be a positive integer, got {value!r}")
+        if self.n_ubatch > self.n_batch:
+            raise KvrtError(f"n_ubatch ({self.n_ubatch}) cannot exceed n_batch ({self.n_batch})")
+        if self.flash_attn not in FLASH_ATTN:
+            raise KvrtError(f"flash_attn must be one of {sorted(FLASH_ATTN)}, got {self.flash_attn!r}")
+        if self.n_threads is not None and self.n_threads <= 0:
+            raise KvrtError(f"n_threads must be positive, got {self.n_threads}")
+
+    @property
+    def threads(self) -> int:
+        return self.n_threads or os.cpu_count() or 1
+
+    def to_c(self) -> Any:
+        params = lib().llama_context_default_params()
+        params.n_ctx = self.n_ctx
+        params.n_batch = self.n_batch
+        params.n_ubatch = self.n_ubatch
+        params.n_seq_max = self.n_seq_max
+        params.kv_unified = self.kv_unified
+        params.n_threads = self.threads
+        params.n_threads_batch = self.threads
+        params.flash_attn_type = FLASH_ATTN[self.flash_attn]
+        params.offload_kqv = self.offload_kqv
+        params.swa_full = self.swa_full
+        return params
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Context(OwnsHandle):
+    """A llama.cpp context over a :class:`Model` (use as a context manager)."""
+
+    def __init__(self, model: Model, params: ContextParams | None = None, **overrides: Any) -> None:
+        if params is None:
+            params = ContextParams(**overrides)
+        elif overrides:
+            raise TypeError("give either a ContextParams or keyword overrides, not both")
+        self.model = model
+        self.params = params
+        with capture() as lines:
+            ptr = lib().llama_init_from_model(model.ptr, params.to_c())
+        if ptr == ffi.NULL:
+            raise ContextError(
+                "llama_init_from_model",
+                explain(lines, "llama.cpp could not create the context (too large for memory?)"),
+                model=model.path.name,
+                **params.as_dict(),
+            )
+        self._handle = NativeHandle(ptr, lib().llama_free, "context")
+        self._borrower: weakref.ref[Any] | None = None
+        model._adopt(self)
+        self._n_vocab = model.n_vocab
+
+    @classmethod
+    def from_llama_cpp(cls, llm: Any) -> Context:
+        """Borrow the context of a ``llama_cpp.Llama`` together with its model."""
+        import ctypes
+
+        address = ctypes.cast(llm.ctx, ctypes.c_void_p).value
+        if not address:
+            raise KvrtError("the llama_cpp.Llama holds no context (was it closed?)")
+        self = cls.__new__(cls)
+        self.model = Model.from_llama_cpp(llm)
+        ptr = ffi.cast("struct llama_context *", address)
+        c_params = llm.context_params
+        self.params = ContextParams(
+            n_ctx=int(lib().llama_n_ctx(ptr)),
+            n_batch=int(lib().llama_n_batch(ptr)),
+            n_ubatch=int(lib().llama_n_ubatch(ptr)),
+            n_seq_max=int(lib().llama_n_seq_max(ptr)),
+            kv_unified=bool(c_params.kv_unified),
+            n_threads=int(c_params.n_threads),
+            flash_attn={v: k for k, v in FLASH_ATTN.items()}[int(c_params.flash_attn_type)],
+            offload_kqv=bool(c_params.offload_kqv),
+            swa_full=bool(c_params.swa_full),
+        )
+        self._handle = NativeHandle(ptr, lib().llama_free, "context", borrowed=True)
+        self._borrower = weakref.ref(llm)
+        self.model._adopt(self)
+        self._n_vocab = self.model.n_vocab
+        return self
+
+    # -- sizes ----------------------------------------------------------------------
+    @property
+    def n_ctx(self) -> int:
+        return int(lib().llama_n_ctx(self.ptr))
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """Cells one sequence may use (``n_ctx`` when unified, else its share)."""
+        return int(lib().llama_n_ctx_seq(self.ptr))
+
+    @property
+    def n_batch(self) -> int:
+        return int(lib().llama_n_batch(self.ptr))
+
+    @property
+    def n_seq_max(self) -> int:
+        return int(lib().llama_n_seq_max(self.ptr))
+
+    # -- memory (KV cache) operations -----------------------------------------------
+    @property
+    def _memory(self) -> Any:
+        return lib().llama_get_memory(self.ptr)
+
+    def _wrote(self) -> None:
+        """kvrt changed the KV cache: a borrowed ``Llama`` forgets its cached prefix and re-evaluates next time.
+
+        llama-cpp-python trusts ``Llama.n_tokens`` to describe the cache; after kvrt's writes it
+        does not, so it is reset to 0 (its next call clears the cache from position 0 and
+        evaluates its prompt): correct output at the cost of the Llama's prefix reuse.
+        """
+        llm = self._borrower() if self._borrower is not None else None
+        if llm is not None:
+            llm.n_tokens = 0
+
+    def _check_seq(self, seq_id: int) -> None:
+        if not 0 <= seq_id < self.n_seq_max:
+            raise KvrtError(f"sequence id {seq_id} is outside [0, {self.n_seq_max}) for this context")
+
+    def clear(self) -> None:
+        """Forget every sequence (and zero the KV data)."""
+        lib().llama_memory_clear(self._memory, True)
+        self._wrote()
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Largest position held for ``seq_id``, or -1 when it is empty."""
+        self._check_seq(seq_id)
+        return int(lib().llama_memory_seq_pos_max(self._memory, seq_id))
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        self._check_seq(seq_id)
+        return int(lib().llama_memory_seq_pos_min(self._memory, seq_id))
+
+    def seq_len(self, seq_id: int) -> int:
+        """Tokens held for ``seq_id`` (its next position)."""
+        return self.seq_pos_max(seq_id) + 1
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> None:
+        """Remove positions [p0, p1) of a sequence (all of it by default)."""
+        self._check_seq(seq_id)
+        if not lib().llama_memory_seq_rm(self._memory, seq_id, p0, p1):
+            raise KvrtError(f"llama_memory_seq_rm refused a partial removal [{p0}, {p1}) of sequence {seq_id}")
+        self._wrote()
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make ``dst`` share the cells of ``src`` in [p0, p1): metadata only, no KV copy."""
+        self._check_seq(src)
+        self._check_seq(dst)
+        if src == dst:
+            raise KvrtError(f"cannot copy sequence {src} onto itself")
+        lib().llama_memory_seq_cp(self._memory, src, dst, p0, p1)
+        self._wrote()
+
+    # -- decoding ---------------------------------------------------------------------
+    def _validate(self, batch: Batch) -> None:
+        tokens, positions = batch.tokens, batch.positions
+        if tokens.size == 0:
+            raise DecodeError("llama_decode", "empty batch")
+        if tokens.size > self.n_batch:
+            raise DecodeError("llama_decode", f"batch of {tokens.size} tokens exceeds n_batch={self.n_batch}")
+        bad = np.flatnonzero((tokens < 0) | (tokens >= self._n_vocab))
+        if bad.size:
+            raise DecodeError("llama_decode", f"token {int(tokens[bad[0]])} at row {int(bad[0])} is outside "
+                              f"the vocabulary [0, {self._n_vocab})")
+        limit = self.n_ctx_seq
+        if int(positions.max()) >= limit:
+            raise DecodeError(
+                "llama_decode",
+                f"decoding past n_ctx: position {int(positions.max())} does not fit a sequence of {limit} cells",
+                n_ctx=self.n_ctx,
+            )
+        low, high = batch.seq_bounds
+        if low < 0 or high >= self.n_seq_max:
+            bad_seq = low if low < 0 else high
+            raise DecodeError("llama_decode", f"sequence id {bad_seq} outside [0, {self.n_seq_max})")
+
+    def decode(self, batch: Batch) -> None:
+        """Run one batch through the model; raises :class:`DecodeError` on any failure.
+
+        On failure llama.cpp rolls the memory back to before the call (codes 1 and -1)
+        or keeps the micro-batches it finished (abort, fatal); the error says which.
+        """
+        self._validate(batch)
+        with capture() as lines:
+            code = int(lib().llama_decode(self.ptr, batch.raw))
+        self._wrote()
+        if code != 0:
+            reason = _DECODE_CODES.get(code, "fatal error; finished micro-batches stay in memory")
+            raise DecodeError("llama_decode", explain(lines, reason), code=code, n_tokens=batch.n_tokens)
+
+    def logits(self, row: int) -> np.ndarray:
+        """A copy of the logits computed for batch row ``row`` (``-1``: the last output)."""
+        ptr = lib().llama_get_logits_ith(self.ptr, row)
+        if ptr == ffi.NULL:
+            raise DecodeError("llama_get_logits_ith", "no logits were computed for this row", row=row)
+        return np.frombuffer(ffi.buffer(ptr, 4 * self._n_vocab), dtype=np.float32).copy()
+
+    def has_logits(self, row: int) -> bool:
+        with capture():
+            return lib().llama_get_logits_ith(self.ptr, row) != ffi.NULL
+
+    def synchronize(self) -> None:
+        lib().llama_synchronize(self.ptr)
+
+    # -- sequence state ---------------------------------------------------------------
+    def seq_state_size(self, seq_id: int, flags: int = STATE_SEQ_FLAGS_NONE) -> int:
+        """Bytes needed to hold the state of ``seq_id``, as llama.cpp computes them."""
+        self._check_seq(seq_id)
+        return int(lib().llama_state_seq_get_size_ext(self.ptr, seq_id, flags))
+
+    def seq_state_get(self, seq_id: int, dst: Any, flags: int = STATE_SEQ_FLAGS_NONE) -> int:
+        """Write the state of ``seq_id`` into the writable buffer ``dst``; returns bytes written."""
+        self._check_seq(seq_id)
+        out = ffi.from_buffer("uint8_t[]", dst, require_writable=True)
+        with capture() as lines:
+            n = int(lib().llama_state_seq_get_data_ext(self.ptr, out, len(out), seq_id, flags))
+        if n == 0:
+            raise StateError("llama_state_seq_get_data_ext", explain(lines, "no state written (buffer too small?)"),
+                             seq_id=seq_id, buffer_bytes=len(out), flags=flags)
+        return n
+
+    def seq_state_set(self, src: Any, seq_id: int, flags: int = STATE_SEQ_FLAGS_NONE) -> int:
+        """Load a sequence state from the buffer ``src`` into ``seq_id``; returns bytes read.
+
+        The sequence is emptied first; on failure llama.cpp leaves it empty.
+        """
+        self._check_seq(seq_id)
+        data = ffi.from_buffer("uint8_t[]", src)
+        self.seq_rm(seq_id)
+        with capture() as lines:
+            n = int(lib().llama_state_seq_set_data_ext(self.ptr, data, len(data), seq_id, flags))
+        self._wrote()
+        if n == 0:
+            raise StateError("llama_state_seq_set_data_ext", explain(lines, "llama.cpp refused the state"),
+                             seq_id=seq_id, n_bytes=len(data), flags=flags)
+        return n
+
+    def sequences(self) -> Iterator[int]:
+        """Sequence ids that currently hold tokens."""
+        return (s for s in range(self.n_seq_max) if self.seq_pos_max(s) >= 0)
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "Context(closed)"
+        return f"Context(n_ctx={self.n_ctx}, n_seq_max={self.n_seq_max}, model={self.model.path.name!r})"

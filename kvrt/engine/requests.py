@@ -1,0 +1,250 @@
+"""What a client asks the batching engine for, and the thread-safe stream its answer arrives on.
+
+A :class:`Request` is prompt tokens plus :class:`kvrt.engine.generation.GenerationParams`
+(max_tokens, stop strings, sampling) and the engine's extras: ``n`` choices, stop token
+ids, log-probabilities, a deadline. :meth:`kvrt.engine.batching.Engine.submit` returns a
+:class:`RequestStream`: the engine's worker thread pushes :class:`TokenEvent` s as tokens
+are sampled, one :class:`ChoiceEnd` per choice and a final :class:`RequestEnd`; any
+thread reads them (blocking ``get``, iteration, or :meth:`RequestStream.result`), and an
+asyncio caller passes ``notify`` to be woken without blocking a thread.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvrt.engine.generation import GenerationParams
+from kvrt.errors import KvrtError
+
+MAX_LOGPROBS = 20
+"""The most alternatives a token's log-probabilities list (OpenAI's ``top_logprobs`` bound)."""
+
+FINISH_REASONS = ("eog", "stop", "length", "cancelled", "deadline", "error")
+
+
+class EngineError(KvrtError):
+    """The batching engine refused or failed a request."""
+
+
+class RequestTooLarge(EngineError):
+    """A request that can never fit the engine's context: too many cells, choices or slots."""
+
+
+class EngineOverloaded(EngineError):
+    """The engine's waiting queue is full; try again later."""
+
+
+class EngineClosed(EngineError):
+    """The engine was closed before or while the request ran."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One completion request for the engine.
+
+    ``n`` choices are forked from one prefill of ``prompt`` (choice ``i`` samples with
+    seed ``sampling.seed + i``). A sampled token in ``stop_token_ids`` ends its choice
+    with ``stop`` and is not part of the output. ``logprobs=k`` reports every sampled
+    token's log-probability and its ``k`` most likely alternatives. ``deadline`` is a
+    :func:`time.monotonic` instant after which the request ends with ``deadline``.
+    ``after_chunk(p0, p1)`` runs on the engine's thread after each decode that put
+    prompt positions ``[p0, p1)`` into the request's first sequence.
+    """
+
+    prompt: Sequence[int]
+    params: GenerationParams = field(default_factory=GenerationParams)
+    n: int = 1
+    stop_token_ids: frozenset[int] = frozenset()
+    logprobs: int | None = None
+    deadline: float | None = None
+    after_chunk: Callable[[int, int], None] | None = None
+
+    def __post_init__(self) -> None:
+        tokens = tuple(int(t) for t in self.prompt)
+        if not tokens:
+            raise EngineError("a request needs at least one prompt token")
+        object.__setattr__(self, "prompt", tokens)
+        object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise EngineError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise EngineError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+    @property
+    def cells(self) -> int:
+        """Cells the request needs without any cached prefix: its prompt and every choice's tokens."""
+        return len(self.prompt) + self.n * self.params.max_tokens
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model (float64 log-softmax of its logits row)
+    and the ``top`` most likely tokens with theirs, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
+    """Log-softmax of one logits row in float64: the chosen token's value and the ``k`` largest."""
+    x = logits.astype(np.float64)
+    peak = float(x.max())
+    logz = peak + math.log(float(np.exp(x - peak).sum()))
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        best = np.argpartition(-x, k - 1)[:k] if k < x.size else np.arange(x.size)
+        best = best[np.lexsort((best, -x[best]))]  # largest first, lower id first on ties
+        top = tuple((int(i), float(x[i] - logz)) for i in best)
+    return TokenLogprob(token, float(x[token] - logz), top)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Choice ``index`` sampled ``token``; ``text`` is the output text it released (may be empty:
+    a partial UTF-8 character, or text that could still turn out to start a stop string)."""
+
+    index: int
+    token: int
+    text: str
+    logprob: TokenLogprob | None = None
+
+
+@dataclass(frozen=True)
+class ChoiceEnd:
+    """Choice ``index`` finished: why, its whole text and tokens (stop strings and stop tokens cut).
+
+    ``rest`` is the end of ``text`` that no :class:`TokenEvent` released (held back, or
+    flushed at the end): the choice's TokenEvent texts followed by ``rest`` are ``text``.
+    """
+
+    index: int
+    finish_reason: str
+    text: str
+    tokens: tuple[int, ...]
+    rest: str = ""
+
+
+@dataclass(frozen=True)
+class RequestEnd:
+    """The request is over. ``cached_tokens`` of the prompt came from the prefix cache, the rest were
+    prefilled; ``error`` is set when it failed (then choices may have ended with ``error``)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    error: KvrtError | None = None
+
+
+Event = TokenEvent | ChoiceEnd | RequestEnd
+
+
+@dataclass
+class ChoiceResult:
+    """Everything one choice produced."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class RequestResult:
+    """A whole request's outcome, collected from its stream."""
+
+    choices: list[ChoiceResult]
+    end: RequestEnd
+
+
+class RequestStream:
+    """The events of one request, pushed by the engine's thread and read by any other.
+
+    ``notify`` (optional) is called on the engine's thread after every push, e.g. to wake
+    an asyncio loop with ``loop.call_soon_threadsafe``; it must not block.
+    """
+
+    def __init__(self, request_id: str, request: Request, *, notify: Callable[[], None] | None = None,
+                 on_cancel: Callable[[], None] | None = None) -> None:
+        self.id = request_id
+        self.request = request
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self._notify = notify
+        self._on_cancel = on_cancel
+        self._cancelled = threading.Event()
+
+    # -- the engine's side ------------------------------------------------------------
+    def push(self, event: Event) -> None:
+        self._events.put(event)
+        if self._notify is not None:
+            self._notify()
+
+    # -- the reader's side ------------------------------------------------------------
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Ask the engine to stop this request (its choices end with ``cancelled``); harmless when over."""
+        self._cancelled.set()
+        if self._on_cancel is not None:
+            self._on_cancel()
+
+    def get(self, timeout: float | None = None) -> Event:
+        """The next event; raises :class:`TimeoutError` when none came within ``timeout`` seconds."""
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"request {self.id}: no event within {timeout} s") from None
+
+    def poll(self) -> Event | None:
+        """The next event if one is waiting, else ``None`` (never blocks)."""
+        try:
+            return self._events.get_nowait()
+        except queue.Empty:
+            return None
+
+    def __iter__(self) -> Iterator[Event]:
+        """Every event up to and including the :class:`RequestEnd` (blocking)."""
+        while True:
+            event = self.get()
+            yield event
+            if isinstance(event, RequestEnd):
+                return
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        """Wait for the whole request (``timeout`` bounds each wait for the next event).
+
+        Raises the request's error when it failed.
+        """
+        collector = ResultCollector(self.request.n)
+        while (result := collector.add(self.get(timeout))) is None:
+            pass
+        if result.end.error is not None:
+            raise result.end.error
+        return result
+
+
+class ResultCollector:
+    """Folds a request's events, in order, into its :class:`RequestResult`."""
+
+    def __init__(self, n: int) -> None:
+        self.choices = [ChoiceResult() for _ in range(n)]
+
+    def add(self, event: Event) -> RequestResult | None:
+        """Take one event; returns the result once ``event`` is the :class:`RequestEnd`."""
+        if isinstance(event, TokenEvent):
+            if event.logprob is not None:
+                self.choices[event.index].logprobs.append(event.logprob)
+        elif isinstance(event, ChoiceEnd):
+            done = self.choices[event.index]
+            done.text, done.tokens, done.finish_reason = event.text, list(event.tokens), event.finish_reason
+        else:
+            return RequestResult(self.choices, event)
+        return None

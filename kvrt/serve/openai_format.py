@@ -1,0 +1,105 @@
+"""Engine events shaped as OpenAI response objects: whole responses and streaming chunks.
+
+One :class:`Shaper` per HTTP request, for the chat endpoint (``chat.completion`` and
+``chat.completion.chunk``, logprobs as ``content`` entries) or the text one
+(``text_completion``, logprobs as the legacy parallel lists). Engine finish reasons map
+to OpenAI's: end-of-generation and stops are ``stop``, ``length`` stays; a request cut
+by the server's deadline says ``deadline`` (not an OpenAI value).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from kvrt.engine.model import Model
+from kvrt.engine.requests import ChoiceResult, RequestEnd, RequestResult, TokenLogprob
+
+FINISH = {"eog": "stop", "stop": "stop", "length": "length", "cancelled": "stop", "deadline": "deadline"}
+Kind = Literal["chat", "text"]
+
+
+class Shaper:
+    """OpenAI objects for one request: ``kind`` chat or text, ``logprobs`` whether to include them."""
+
+    def __init__(self, kind: Kind, request_id: str, created: int, model_name: str, model: Model, n: int,
+                 logprobs: bool) -> None:
+        self.kind, self.id, self.created, self.model_name = kind, request_id, created, model_name
+        self.model, self.n, self.logprobs = model, n, logprobs
+        self._offsets = [0] * n  # text completions: characters before each choice's next token
+
+    # -- pieces -----------------------------------------------------------------------
+    def _piece(self, token: int) -> tuple[str, list[int]]:
+        raw = self.model.token_to_piece(token)
+        return raw.decode("utf-8", "replace"), list(raw)
+
+    def _chat_logprob(self, lp: TokenLogprob) -> dict[str, Any]:
+        text, raw = self._piece(lp.token)
+        top = []
+        for token, value in lp.top:
+            t_text, t_raw = self._piece(token)
+            top.append({"token": t_text, "logprob": value, "bytes": t_raw})
+        return {"token": text, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top}
+
+    def _text_logprobs(self, index: int, lps: list[TokenLogprob]) -> dict[str, Any]:
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in lps:
+            text, _ = self._piece(lp.token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(lp.logprob)
+            out["top_logprobs"].append({self._piece(t)[0]: v for t, v in lp.top})
+            out["text_offset"].append(self._offsets[index])
+            self._offsets[index] += len(text)
+        return out
+
+    def _logprobs(self, index: int, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        if self.kind == "chat":
+            return {"content": [self._chat_logprob(lp) for lp in lps], "refusal": None}
+        return self._text_logprobs(index, lps)
+
+    def usage(self, end: RequestEnd) -> dict[str, Any]:
+        return {"prompt_tokens": end.prompt_tokens, "completion_tokens": end.completion_tokens,
+                "total_tokens": end.prompt_tokens + end.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": end.cached_tokens}}
+
+    def _envelope(self, choices: list[dict[str, Any]], *, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name,
+                "system_fingerprint": None, "choices": choices}
+
+    # -- streaming ----------------------------------------------------------------------
+    def role_chunk(self) -> dict[str, Any] | None:
+        """The chat stream's opening chunk (every choice's role); ``None`` for text completions."""
+        if self.kind != "chat":
+            return None
+        return self._envelope([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None} for i in range(self.n)], chunk=True)
+
+    def chunk(self, index: int, text: str, logprob: TokenLogprob | None = None,
+              finish_reason: str | None = None) -> dict[str, Any]:
+        """A streaming chunk carrying ``text`` (and a token's logprobs) or a choice's finish."""
+        reason = FINISH.get(finish_reason, finish_reason) if finish_reason else None
+        lps = self._logprobs(index, [logprob]) if logprob is not None else None
+        if self.kind == "chat":
+            delta = {"content": text} if text or logprob is not None else {}
+            choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": reason}
+        return self._envelope([choice], chunk=True)
+
+    def usage_chunk(self, end: RequestEnd) -> dict[str, Any]:
+        return {**self._envelope([], chunk=True), "usage": self.usage(end)}
+
+    # -- whole responses ------------------------------------------------------------------
+    def response(self, result: RequestResult) -> dict[str, Any]:
+        choices = [self._choice(i, c) for i, c in enumerate(result.choices)]
+        return {**self._envelope(choices, chunk=False), "usage": self.usage(result.end)}
+
+    def _choice(self, index: int, choice: ChoiceResult) -> dict[str, Any]:
+        reason = FINISH.get(choice.finish_reason or "length", choice.finish_reason)
+        lps = self._logprobs(index, choice.logprobs)
+        if self.kind == "chat":
+            message = {"role": "assistant", "content": choice.text, "refusal": None}
+            return {"index": index, "message": message, "logprobs": lps, "finish_reason": reason}
+        return {"index": index, "text": choice.text, "logprobs": lps, "finish_reason": reason}

@@ -1,0 +1,223 @@
+"""OpenAI request bodies, validated and turned into engine requests (no HTTP here).
+
+Bodies are checked with pydantic; a bad field becomes an :class:`ApiError` (HTTP 400)
+whose ``param`` names it. Sampling follows OpenAI's meaning: ``temperature`` 0 is
+greedy, ``top_p`` 1 and no top-k / min-p unless the llama.cpp-style extensions
+``top_k`` / ``min_p`` are given; ``frequency_penalty`` / ``presence_penalty`` (and the
+``repetition_penalty`` extension) count every token generated so far; a missing
+``seed`` is drawn at random. ``response_format`` ``json_object`` / ``json_schema``
+constrain the output through llama.cpp's grammar sampler, the schema converted to
+GBNF by llama-cpp-python's converter.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvrt.engine.chat import ChatTemplateError, apply_chat_template
+from kvrt.engine.generation import GenerationParams
+from kvrt.engine.model import Model
+from kvrt.engine.requests import MAX_LOGPROBS, Request
+from kvrt.engine.sampling import SamplingParams
+
+UNSUPPORTED = ("tools", "functions", "function_call", "logit_bias", "suffix", "audio", "modalities", "prediction")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error: HTTP ``status`` and the ``{"error": {...}}`` body's fields."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class _Body(_Strict):
+    """Fields both endpoints share (OpenAI's, then llama.cpp / vLLM-style extensions)."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    response_format: ResponseFormat | None = None
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, lt=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    stop_token_ids: list[int] = Field(default_factory=list)
+
+
+class CompletionBody(_Body):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+
+class ForkBody(_Body):
+    """``/v1/kvrt/fork``: continue choice ``choice`` of completion ``completion_id`` with ``prompt``."""
+
+    completion_id: str
+    choice: int = Field(0, ge=0)
+    prompt: str = ""
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class ChatMessageBody(_Strict):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_Body):
+    messages: list[ChatMessageBody] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class PinBody(_Strict):
+    model: str
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessageBody] | None = None
+
+
+def _param(loc: Sequence[Any]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def parse(kind: type[_Strict], body: Any) -> Any:
+    """``body`` validated as ``kind``; the first problem becomes a 400 naming its field."""
+    if not isinstance(body, Mapping):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        parsed = kind.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        # a union's error carries the member type as an extra location part: keep the field's path only
+        loc = [p for p in first["loc"] if isinstance(p, int) or p in _field_names(kind, first["loc"])]
+        param = _param(loc) or None
+        raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param,
+                       code=first["type"]) from None
+    for name in UNSUPPORTED:
+        if body.get(name) not in (None, [], {}):
+            raise ApiError(400, f"{name} is not supported by kvrt's server", param=name, code="unsupported_parameter")
+    return parsed
+
+
+def _field_names(kind: type[_Strict], loc: Sequence[Any]) -> set[str]:
+    """Every field name of the models along ``loc`` (to drop pydantic's union-member labels)."""
+    names: set[str] = set()
+    for model in (kind, ChatMessageBody, StreamOptions, ResponseFormat, JsonSchemaFormat):
+        names.update(model.model_fields)
+    return names & {str(p) for p in loc}
+
+
+def chat_prompt(model: Model, messages: Sequence[ChatMessageBody], *, generation: bool = True) -> list[int]:
+    """Tokens of ``messages`` rendered by the model's chat template (special-token text parsed)."""
+    rendered = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported",
+                               param=f"messages[{i}].content")
+            content = "".join(part["text"] for part in content)
+        if content is None:
+            raise ApiError(400, f"messages[{i}].content is required", param=f"messages[{i}].content")
+        rendered.append({"role": message.role, "content": content})
+    try:
+        text = apply_chat_template(model, rendered, add_generation_prompt=generation)
+    except ChatTemplateError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+    return model.tokenize(text, add_special=True, parse_special=True)
+
+
+def completion_prompt(model: Model, prompt: str | list[Any]) -> list[int]:
+    """Tokens of a completions ``prompt``: text (special-token text parsed) or token ids; one prompt only."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise ApiError(400, f"prompt: kvrt serves one prompt per request, got {len(prompt)}", param="prompt")
+        prompt = prompt[0]
+    tokens = model.tokenize(prompt, add_special=True, parse_special=True) if isinstance(prompt, str) else prompt
+    if not tokens:
+        raise ApiError(400, "prompt: it is empty", param="prompt")
+    bad = [t for t in tokens if not 0 <= t < model.n_vocab]
+    if bad:
+        raise ApiError(400, f"prompt: token {bad[0]} is outside the vocabulary [0, {model.n_vocab})", param="prompt")
+    return list(tokens)
+
+
+def grammar_of(response_format: ResponseFormat | None) -> str | None:
+    """GBNF for ``response_format`` (``None`` for plain text)."""
+    if response_format is None or response_format.type == "text":
+        return None
+    from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    schema: dict[str, Any] = {"type": "object"}
+    if response_format.type == "json_schema":
+        if response_format.json_schema is None:
+            raise ApiError(400, "response_format.json_schema is required for type json_schema",
+                           param="response_format.json_schema")
+        schema = response_format.json_schema.schema_ or schema
+    try:
+        return json_schema_to_gbnf(json.dumps(schema))
+    except Exception as exc:  # the converter raises plain exceptions for schemas it cannot express
+        raise ApiError(400, f"response_format: the JSON schema cannot be converted to a grammar ({exc})",
+                       param="response_format") from None
+
+
+def engine_request(body: _Body, prompt: list[int], *, n_cells: int, max_tokens: int | None, default_max_tokens: int,
+                   logprobs: int | None) -> Request:
+    """The engine's :class:`Request` for a validated body.
+
+    ``max_tokens`` None: ``default_max_tokens`` or whatever still fits the context beside
+    the prompt and the other choices, whichever is smaller.
+    """
+    if max_tokens is None:
+        max_tokens = max(1, min(default_max_tokens, (n_cells - len(prompt)) // body.n))
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > 4 or any(not s for s in stops):
+        raise ApiError(400, "stop: up to 4 non-empty strings", param="stop")
+    sampling = SamplingParams(
+        temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
+        seed=(secrets.randbits(32) if body.seed is None else body.seed % 2**32),
+        repeat_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty, penalty_last_n=max_tokens, grammar=grammar_of(body.response_format))
+    params = GenerationParams(max_tokens=max_tokens, stop=tuple(stops), sampling=sampling)
+    return Request(prompt, params, n=body.n, stop_token_ids=frozenset(body.stop_token_ids), logprobs=logprobs)

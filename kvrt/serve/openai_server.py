@@ -1,0 +1,353 @@
+"""kvrt's OpenAI-compatible HTTP server: FastAPI routes over one batching engine per model.
+
+``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` speak
+OpenAI's wire format (SSE streaming with ``data: [DONE]``, ``n``, logprobs, stop,
+seed, penalties, ``response_format`` through the grammar sampler, usage with
+``cached_tokens``); errors are ``{"error": {"message", "type", "param", "code"}}``
+with 400 for bad input naming the field, 404 for an unknown model, 503 when an
+engine's queue is full. kvrt's own routes live under ``/v1/kvrt/``:
+
+``POST /v1/kvrt/pins`` / ``DELETE /v1/kvrt/pins/{id}``
+    keep a prompt's (or rendered messages') cells cached, never evicted, until unpinned;
+``POST /v1/kvrt/fork``
+    continue choice ``choice`` of an earlier completion (``completion_id``) with more
+    text: the new prompt is that completion's exact tokens plus ``prompt``, so the
+    prefix cache finds the earlier cells (no detokenize/retokenize drift);
+``GET /v1/kvrt/stats``
+    every engine's counters (prefilled and reused tokens, slots, cells).
+
+A client that disconnects cancels its request (its slot is freed at the next step).
+Model names are the GGUF files' stems.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import asdict, replace
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from kvrt.engine.batching import Engine
+from kvrt.engine.requests import (
+    ChoiceEnd,
+    ChoiceResult,
+    EngineClosed,
+    EngineOverloaded,
+    Event,
+    Request,
+    RequestEnd,
+    RequestResult,
+    RequestStream,
+    RequestTooLarge,
+    ResultCollector,
+    TokenEvent,
+)
+from kvrt.errors import KvrtError
+from kvrt.serve.openai_format import Kind, Shaper
+from kvrt.serve.openai_schema import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    ForkBody,
+    PinBody,
+    chat_prompt,
+    completion_prompt,
+    engine_request,
+    parse,
+)
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+
+
+class _Bridge:
+    """Wakes one asyncio task from the engine's thread whenever its request has new events."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._flag = asyncio.Event()
+
+    def notify(self) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._flag.set)
+        except RuntimeError:  # the loop is closed: nobody listens any more
+            pass
+
+    async def events(self, stream: RequestStream) -> AsyncIterator[Event]:
+        while True:
+            self._flag.clear()
+            while (event := stream.poll()) is not None:
+                yield event
+                if isinstance(event, RequestEnd):
+                    return
+            await self._flag.wait()
+
+
+def _sse(obj: Mapping[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class OpenAIServer:
+    """The HTTP front over ``engines`` (model name -> engine); the engines stay the caller's to close.
+
+    ``default_max_tokens`` caps chat / fork requests that give no max_tokens;
+    ``request_timeout_s`` (if set) is every request's deadline; the tokens of the latest
+    ``remember`` completions are kept for ``/v1/kvrt/fork``.
+    """
+
+    def __init__(self, engines: Mapping[str, Engine], *, default_max_tokens: int = 512,
+                 request_timeout_s: float | None = None, remember: int = 1024) -> None:
+        if not engines:
+            raise KvrtError("the OpenAI server needs at least one model")
+        self.engines = dict(engines)
+        self.default_max_tokens = default_max_tokens
+        self.request_timeout_s = request_timeout_s
+        self._remember_n = remember
+        self._created = int(time.time())
+        self._outputs: OrderedDict[str, tuple[str, list[list[int]]]] = OrderedDict()
+        self._pins: dict[str, tuple[str, str]] = {}  # public pin id -> (model, the engine's pin id)
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        self.app = self._build_app()
+
+    # -- routes -------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="kvrt", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_exception_handler(ApiError, self._on_api_error)  # type: ignore[arg-type]
+        app.add_exception_handler(HTTPException, self._on_http_error)  # type: ignore[arg-type]
+        app.get("/v1/models")(self.list_models)
+        app.get("/v1/models/{model_id}")(self.get_model)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/v1/kvrt/fork")(self.fork)
+        app.post("/v1/kvrt/pins")(self.pin)
+        app.delete("/v1/kvrt/pins/{pin_id}")(self.unpin)
+        app.get("/v1/kvrt/stats")(self.stats)
+        return app
+
+    async def _on_api_error(self, _request: HttpRequest, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def _on_http_error(self, _request: HttpRequest, exc: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind=kind).body(), status_code=exc.status_code)
+
+    def _model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self._created, "owned_by": "kvrt"}
+
+    async def list_models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_card(name) for name in self.engines]}
+
+    async def get_model(self, model_id: str) -> dict[str, Any]:
+        self._engine(model_id)
+        return self._model_card(model_id)
+
+    async def completions(self, request: HttpRequest) -> Response:
+        body = parse(CompletionBody, await self._json(request))
+        if body.echo:
+            raise ApiError(400, "echo is not supported by kvrt's server", param="echo", code="unsupported_parameter")
+        engine = self._engine(body.model)
+        prompt = completion_prompt(engine.model, body.prompt)
+        return await self._run(request, "text", body, engine, prompt,
+                               body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs)
+
+    async def chat_completions(self, request: HttpRequest) -> Response:
+        body = parse(ChatBody, await self._json(request))
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        engine = self._engine(body.model)
+        prompt = chat_prompt(engine.model, body.messages)
+        return await self._run(request, "chat", body, engine, prompt, body.max_completion_tokens or body.max_tokens,
+                               (body.top_logprobs or 0) if body.logprobs else None)
+
+    async def fork(self, request: HttpRequest) -> Response:
+        body = parse(ForkBody, await self._json(request))
+        engine = self._engine(body.model)
+        earlier = self._outputs.get(body.completion_id)
+        if earlier is None:
+            raise ApiError(404, f"no remembered completion {body.completion_id!r} (the latest {self._remember_n} are "
+                                "kept)", kind="not_found_error", param="completion_id", code="completion_not_found")
+        model_name, choices = earlier
+        if model_name != body.model:
+            raise ApiError(400, f"completion {body.completion_id!r} was made by {model_name!r}", param="model")
+        if body.choice >= len(choices):
+            raise ApiError(400, f"choice: completion {body.completion_id!r} has {len(choices)} choice(s)",
+                           param="choice")
+        suffix = engine.model.tokenize(body.prompt, add_special=False, parse_special=True) if body.prompt else []
+        return await self._run(request, "text", body, engine, choices[body.choice] + suffix, body.max_tokens,
+                               body.logprobs)
+
+    async def pin(self, request: HttpRequest) -> dict[str, Any]:
+        body = parse(PinBody, await self._json(request))
+        engine = self._engine(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+        tokens = (completion_prompt(engine.model, body.prompt) if body.prompt is not None
+                  else chat_prompt(engine.model, body.messages or [], generation=False))
+        bridge = _Bridge()
+        stream = self._submit(engine, lambda: engine.pin(tokens, notify=bridge.notify), None)
+        result = await self._collect(request, stream, bridge)
+        pin_id = f"pin-{uuid.uuid4().hex}"
+        self._pins[pin_id] = (body.model, stream.id)
+        return {"id": pin_id, "object": "kvrt.pin", "model": body.model, "tokens": len(tokens),
+                "cached_tokens": result.end.cached_tokens}
+
+    async def unpin(self, pin_id: str) -> dict[str, Any]:
+        entry = self._pins.pop(pin_id, None)
+        if entry is None:
+            raise ApiError(404, f"no pin {pin_id!r}", kind="not_found_error", param="pin_id", code="pin_not_found")
+        model_name, engine_pin = entry
+        deleted = await asyncio.wrap_future(self.engines[model_name].unpin(engine_pin))
+        return {"id": pin_id, "object": "kvrt.pin", "deleted": deleted}
+
+    async def stats(self) -> dict[str, Any]:
+        return {name: asdict(engine.stats()) for name, engine in self.engines.items()}
+
+    # -- the shared path ------------------------------------------------------------------
+    async def _json(self, request: HttpRequest) -> Any:
+        try:
+            return await request.json()
+        except ValueError:
+            raise ApiError(400, "the request body is not valid JSON") from None
+
+    def _engine(self, name: str) -> Engine:
+        engine = self.engines.get(name)
+        if engine is None:
+            raise ApiError(404, f"the model {name!r} does not exist; this server has {sorted(self.engines)}",
+                           kind="not_found_error", param="model", code="model_not_found")
+        return engine
+
+    async def _run(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
+                   max_tokens: int | None, logprobs: int | None) -> Response:
+        try:
+            job = engine_request(body, prompt, n_cells=engine.n_cells, max_tokens=max_tokens,
+                                 default_max_tokens=self.default_max_tokens, logprobs=logprobs)
+            if self.request_timeout_s is not None:
+                job = replace(job, deadline=time.monotonic() + self.request_timeout_s)
+        except KvrtError as exc:
+            raise ApiError(400, str(exc)) from None
+        bridge = _Bridge()
+        stream = self._submit(engine, lambda: engine.submit(job, notify=bridge.notify), job)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        shaper = Shaper(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), body.model, engine.model, job.n,
+                        logprobs is not None)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._stream(stream, bridge, shaper, usage), media_type="text/event-stream")
+        result = await self._collect(request, stream, bridge)
+        self._remember(shaper.id, body.model, prompt, result.choices)
+        return JSONResponse(shaper.response(result))
+
+    def _submit(self, engine: Engine, submit: Callable[[], RequestStream], job: Request | None) -> RequestStream:
+        """``submit()`` with the engine's refusals turned into HTTP errors."""
+        try:
+            return submit()
+        except RequestTooLarge as exc:
+            param = "n" if job is not None and job.n > engine.cache.n_slots else ("max_tokens" if job else "prompt")
+            raise ApiError(400, str(exc), param=param, code="context_length_exceeded") from None
+        except (EngineOverloaded, EngineClosed) as exc:
+            raise ApiError(503, str(exc), kind="server_error", code="overloaded") from None
+        except KvrtError as exc:  # a grammar llama.cpp refused, a token outside the vocabulary, ...
+            grammar = job is not None and job.params.sampling.grammar is not None
+            raise ApiError(400, str(exc), param="response_format" if grammar else None) from None
+
+    async def _collect(self, request: HttpRequest, stream: RequestStream, bridge: _Bridge) -> RequestResult:
+        """The whole result; the request is cancelled if the client goes away meanwhile."""
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(DISCONNECT_POLL_S)
+            stream.cancel()
+
+        watcher = asyncio.create_task(watch())
+        collector = ResultCollector(stream.request.n)
+        result: RequestResult | None = None
+        try:
+            async for event in bridge.events(stream):
+                result = collector.add(event) or result
+        finally:
+            watcher.cancel()
+            stream.cancel()  # harmless when the request is over
+        assert result is not None  # events() ends with the RequestEnd
+        error = result.end.error
+        if isinstance(error, RequestTooLarge):
+            raise ApiError(400, str(error), param="prompt", code="context_length_exceeded")
+        if error is not None:
+            raise ApiError(500, f"the request failed: {error}", kind="server_error")
+        return result
+
+    async def _stream(self, stream: RequestStream, bridge: _Bridge, shaper: Shaper,
+                      usage: bool) -> AsyncIterator[str]:
+        """SSE chunks as tokens arrive; leaving early (a disconnect) cancels the request."""
+        collector = ResultCollector(stream.request.n)
+        try:
+            opening = shaper.role_chunk()
+            if opening is not None:
+                yield _sse(opening)
+            async for event in bridge.events(stream):
+                collector.add(event)
+                if isinstance(event, TokenEvent):
+                    if event.text or event.logprob is not None:
+                        yield _sse(shaper.chunk(event.index, event.text, event.logprob))
+                elif isinstance(event, ChoiceEnd):
+                    if event.rest:
+                        yield _sse(shaper.chunk(event.index, event.rest))
+                    yield _sse(shaper.chunk(event.index, "", finish_reason=event.finish_reason))
+                elif event.error is not None:
+                    yield _sse(ApiError(500, f"the request failed: {event.error}", kind="server_error").body())
+                else:
+                    self._remember(shaper.id, shaper.model_name, list(stream.request.prompt), collector.choices)
+                    if usage:
+                        yield _sse(shaper.usage_chunk(event))
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.cancel()
+
+    def _remember(self, completion_id: str, model: str, prompt: list[int], choices: list[ChoiceResult]) -> None:
+        self._outputs[completion_id] = (model, [list(prompt) + c.tokens for c in choices])
+        while len(self._outputs) > self._remember_n:
+            self._outputs.popitem(last=False)
+
+    # -- serving --------------------------------------------------------------------------
+    def start(self, host: str = "127.0.0.1", port: int = 0, *, wait_s: float = 30.0) -> tuple[str, int]:
+        """Serve from a background thread; returns the bound address (``port=0``: an ephemeral one)."""
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="kvrt-http", daemon=True)
+        thread.start()
+        limit = time.monotonic() + wait_s
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > limit:
+                server.should_exit = True
+                sock.close()
+                raise KvrtError(f"the HTTP server did not start on {host}:{port} within {wait_s} s")
+            time.sleep(0.01)
+        self._server, self._thread = server, thread
+        return sock.getsockname()[0], sock.getsockname()[1]
+
+    def stop(self) -> None:
+        """Stop a server started with :meth:`start` (open streams are closed)."""
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join()
+            self._server = self._thread = None
+
+    def run(self, host: str, port: int) -> None:
+        """Serve in this thread until SIGINT / SIGTERM (uvicorn handles both)."""
+        import uvicorn
+
+        uvicorn.Server(uvicorn.Config(self.app, host=host, port=port, log_level="info", lifespan="off")).run()

@@ -1,0 +1,209 @@
+"""The sequence slots of one unified-KV context, kept as a cache of token prefixes.
+
+A context made with ``kv_unified=True`` and ``n_seq_max`` slots has one pool of
+``n_ctx`` cells. Every slot is ``free`` (holds nothing), ``active`` (a running
+sequence writes into it) or ``cached`` (a finished sequence left its cells there, so
+a later request that starts with the same tokens needs to prefill only the rest).
+Cached slots are evicted least recently used first; a ``pinned`` slot is cached and
+never evicted.
+
+:class:`PrefixCache` is the only code that changes the context's memory for the
+engine, and it mirrors each change exactly: a decoded row makes one new cell,
+``seq_cp`` makes the destination share the source's cells, ``seq_rm`` drops a slot's
+claim and a cell without claims is free (what llama.cpp's unified cache does). So
+:attr:`used_cells` is the real count of occupied cells, computed without asking
+llama.cpp, and admission can decide exactly what eviction would free.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Literal
+
+import numpy as np
+
+from kvrt.engine.context import Context
+from kvrt.errors import KvrtError
+
+SlotState = Literal["free", "active", "cached"]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(diff[0]) if diff.size else n
+
+
+class PrefixCache:
+    """Slot states, the tokens each slot's cells hold, and the cells they share."""
+
+    def __init__(self, ctx: Context) -> None:
+        if not ctx.params.kv_unified:
+            raise KvrtError("a prefix cache needs a context with kv_unified=True (slots share one pool of cells)")
+        self.ctx = ctx
+        self.n_cells = ctx.n_ctx
+        self.n_slots = ctx.n_seq_max
+        self.state: list[SlotState] = ["free"] * self.n_slots
+        self.pinned: set[int] = set()
+        self._tokens: list[list[int]] = [[] for _ in range(self.n_slots)]
+        self._cells: list[list[int]] = [[] for _ in range(self.n_slots)]
+        self._refs: Counter[int] = Counter()
+        self._next_cell = 0
+        self._lru: OrderedDict[int, None] = OrderedDict()  # unpinned cached slots, least recently used first
+
+    # -- queries ----------------------------------------------------------------------
+    @property
+    def used_cells(self) -> int:
+        return len(self._refs)
+
+    def tokens(self, slot: int) -> list[int]:
+        """The tokens whose KV the slot holds, position by position (a copy)."""
+        return list(self._tokens[slot])
+
+    def longest_prefix(self, tokens: Sequence[int]) -> tuple[int | None, int]:
+        """The active, cached or pinned slot sharing the longest prefix with ``tokens``, and its length.
+
+        An active slot only grows, so its first cells are as good a source as a cached one.
+        """
+        best, best_len = None, 0
+        for slot in range(self.n_slots):
+            if self.state[slot] != "free":
+                length = common_prefix(self._tokens[slot], tokens)
+                if length > best_len:
+                    best, best_len = slot, length
+        return best, best_len
+
+    def available_slots(self) -> int:
+        """Slots a new request could claim: free, or cached and not pinned."""
+        return sum(1 for s in range(self.n_slots) if self.state[s] == "free" or s in self._lru)
+
+    def cells_if_evicted(self, keep: tuple[int, int] | None = None) -> int:
+        """Free cells if every unpinned cached slot were emptied (``keep``: a slot's first cells that survive)."""
+        alive: set[int] = set()
+        for slot in range(self.n_slots):
+            if self.state[slot] == "active" or slot in self.pinned:
+                alive.update(self._cells[slot])
+        if keep is not None:
+            alive.update(self._cells[keep[0]][:keep[1]])
+        return self.n_cells - len(alive)
+
+    def pinned_cells(self) -> int:
+        """Cells held by pinned slots (never evicted)."""
+        return len({c for slot in self.pinned for c in self._cells[slot]})
+
+    # -- changes (each mirrors one llama.cpp memory call) ------------------------------
+    def claim(self, avoid: int | None = None) -> int | None:
+        """An empty slot made active: a free one, else the least recently used unpinned cached slot
+        other than ``avoid`` emptied; ``None`` when there is none."""
+        slot = next((s for s in range(self.n_slots) if self.state[s] == "free"), None)
+        if slot is None:
+            slot = next((s for s in self._lru if s != avoid), None)
+            if slot is None:
+                return None
+            self.evict(slot)
+        self.state[slot] = "active"
+        return slot
+
+    def take_over(self, slot: int, keep: int) -> None:
+        """Make an unpinned cached slot active again, keeping only its first ``keep`` positions."""
+        if slot not in self._lru:
+            raise KvrtError(f"slot {slot} is {self.state[slot]}{' and pinned' if slot in self.pinned else ''}; "
+                            "only an unpinned cached slot can be taken over")
+        del self._lru[slot]
+        self.state[slot] = "active"
+        self.truncate(slot, keep)
+
+    def copy_prefix(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """``dst`` (holding exactly ``p0`` positions) shares ``src``'s cells of positions [p0, p1)."""
+        if len(self._tokens[dst]) != p0 or len(self._tokens[src]) < p1:
+            raise KvrtError(f"cannot share positions [{p0}, {p1}) of slot {src} ({len(self._tokens[src])} held) "
+                            f"onto slot {dst} ({len(self._tokens[dst])} held)")
+        if p1 <= p0:
+            return
+        self.ctx.seq_cp(src, dst, p0, p1)
+        cells = self._cells[src][p0:p1]
+        self._cells[dst].extend(cells)
+        self._tokens[dst].extend(self._tokens[src][p0:p1])
+        self._refs.update(cells)
+
+    def appended(self, slot: int, tokens: Iterable[int]) -> None:
+        """Record that a decode wrote ``tokens`` at the slot's next positions (one new cell each)."""
+        new = list(tokens)
+        cells = list(range(self._next_cell, self._next_cell + len(new)))
+        self._next_cell += len(new)
+        self._tokens[slot].extend(new)
+        self._cells[slot].extend(cells)
+        self._refs.update(cells)
+
+    def truncate(self, slot: int, keep: int) -> None:
+        """Drop the slot's positions from ``keep`` on (``seq_rm``)."""
+        if keep >= len(self._tokens[slot]):
+            return
+        self.ctx.seq_rm(slot, keep, -1)
+        self._forget(self._cells[slot][keep:])
+        del self._cells[slot][keep:]
+        del self._tokens[slot][keep:]
+
+    def release(self, slot: int) -> None:
+        """An active slot's sequence is done: its cells stay cached for later prefixes (most recently used)."""
+        if self.state[slot] != "active":
+            raise KvrtError(f"slot {slot} is {self.state[slot]}, not active")
+        if not self._tokens[slot]:
+            self.state[slot] = "free"
+            return
+        self.state[slot] = "cached"
+        if slot not in self.pinned:
+            self._lru[slot] = None
+
+    def evict(self, slot: int) -> None:
+        """Empty a slot (``seq_rm`` of all of it); it becomes free."""
+        if slot in self.pinned:
+            raise KvrtError(f"slot {slot} is pinned; unpin it before evicting it")
+        self._lru.pop(slot, None)
+        self.ctx.seq_rm(slot)  # also when the mirror holds nothing: a failed decode may have left cells
+        self._forget(self._cells[slot])
+        self._cells[slot].clear()
+        self._tokens[slot].clear()
+        self.state[slot] = "free"
+
+    def evict_until(self, free_cells: int) -> bool:
+        """Evict least recently used unpinned cached slots until ``free_cells`` cells are free."""
+        while self.n_cells - self.used_cells < free_cells:
+            if not self._lru:
+                return False
+            self.evict(next(iter(self._lru)))
+        return True
+
+    def evict_all(self) -> int:
+        """Evict every unpinned cached slot; returns how many there were."""
+        slots = list(self._lru)
+        for slot in slots:
+            self.evict(slot)
+        return len(slots)
+
+    def pin(self, slot: int) -> None:
+        """Keep a cached slot's cells until :meth:`unpin` (it is never evicted meanwhile)."""
+        if self.state[slot] != "cached":
+            raise KvrtError(f"only a cached slot can be pinned; slot {slot} is {self.state[slot]}")
+        self.pinned.add(slot)
+        self._lru.pop(slot, None)
+
+    def unpin(self, slot: int) -> None:
+        """The slot becomes an ordinary cached slot, evictable, most recently used."""
+        self.pinned.discard(slot)
+        if self.state[slot] == "cached":
+            self._lru[slot] = None
+
+    def _forget(self, cells: Iterable[int]) -> None:
+        for cell in cells:
+            self._refs[cell] -= 1
+            if self._refs[cell] <= 0:
+                del self._refs[cell]
+
+    def describe(self) -> list[str]:
+        """Each slot's state in a word (``pinned`` for pinned cached slots)."""
+        return ["pinned" if s in self.pinned else self.state[s] for s in range(self.n_slots)]
