@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv: llama.cpp's too)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for info in sorted(pkgutil.iter_modules(kvrt.commands.__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue  # shared by commands, not one itself
         module = importlib.import_module(f"kvrt.commands.{info.name}")
         name = info.name.replace("_", "-")
         command = sub.add_parser(name, help=module.HELP, description=getattr(module, "DESCRIPTION", module.HELP),

@@ -1,6 +1,6 @@
-"""Run the kvrt daemon: one owner of the GPU for many agents, lmxd's protocol on a Unix socket.
+"""``kvrt serve``: one owner of the GPU for many agents, on a Unix socket (lmxd's protocol) or over HTTP (OpenAI's API).
 
-Try it with ``nc -U PATH`` (send HELP). The ledger's cap is ``--admit-percent`` of the
+Unix socket: try it with ``nc -U PATH`` (send HELP). The ledger's cap is ``--admit-percent`` of the
 GPU's memory as NVML reports it; on a machine without one, a stated share of host RAM
 (:mod:`kvrt.serve.budget`), unless ``--capacity-bytes`` fixes it.
 
@@ -9,6 +9,7 @@ request finishes, queued ones get ``ERR SHUTTING_DOWN``, agents are saved (with
 ``--state-dir``), the socket file is removed, exit status 0. A request still running at
 the timeout is abandoned (exit status 1); a second signal during shutdown exits at once
 (status 1). With ``--state-dir`` a restarted daemon brings every saved agent back.
+HTTP: see :mod:`kvrt.commands._http`; SIGTERM or Ctrl-C closes open streams and exits 0.
 """
 
 from __future__ import annotations
@@ -26,7 +27,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvrt.serve.daemon import Daemon
 
-HELP = "serve agents over a Unix socket (lmxd's protocol)"
+from kvrt.commands import _http
+from kvrt.errors import KvrtError
+
+HELP = "serve agents over a Unix socket (lmxd's protocol) or over HTTP (OpenAI's API)"
+DESCRIPTION = """--socket PATH: agents registered by name, each with its KV state kept (on the GPU, or
+swapped to pinned host memory while others run), admitted against a VRAM ledger; a text
+protocol, one line a request (connect with nc -U PATH and send HELP).
+
+""" + _http.DESCRIPTION
 _SIGNAL_POLL_S = 0.2
 log = logging.getLogger("kvrt.serve")
 
@@ -34,7 +43,10 @@ log = logging.getLogger("kvrt.serve")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvrt.serve.daemon import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_STOP_TIMEOUT_S
 
-    parser.add_argument("--socket", required=True, help="Unix socket path (created 0600)")
+    where = parser.add_argument_group("where to listen (one of)")
+    where.add_argument("--socket", default=None, help="Unix socket path (created 0600)")
+    where.add_argument("--http", metavar="HOST:PORT", default=None,
+                       help="serve OpenAI's HTTP API at this address (port 0: any free port)")
     parser.add_argument("--capacity-bytes", type=int, default=None,
                         help="fixed ledger cap in bytes (default: the GPU's memory, or half the host RAM "
                              "where NVML sees no GPU)")
@@ -52,9 +64,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="close a connection silent this long, with ERR IDLE_TIMEOUT (0: never)")
     parser.add_argument("--shutdown-timeout-s", type=float, default=DEFAULT_STOP_TIMEOUT_S,
                         help="on SIGTERM, wait at most this long for the running request")
+    _http.add_http_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if (args.socket is None) == (args.http is None):
+        raise KvrtError("kvrt serve needs exactly one of --socket PATH (kvrt's protocol) and --http HOST:PORT "
+                        "(OpenAI's API); run two processes to offer both")
+    return _run_http(args) if args.http else _run_socket(args)
+
+
+def _run_http(args: argparse.Namespace) -> int:
+    signals = _Signals()
+    front = _http.start_http(args)
+    host, port = front.address
+    print(f"kvrt serve: http://{host}:{port}/v1 serving {', '.join(front.engines)}", flush=True)
+    try:
+        signals.wait_for_first()
+    finally:
+        front.close()
+    return 0
+
+
+def _run_socket(args: argparse.Namespace) -> int:
     from kvrt.serve.budget import choose_budget
     from kvrt.serve.daemon import Daemon
     from kvrt.serve.estimate import load_vram_table
@@ -84,7 +116,6 @@ def run(args: argparse.Namespace) -> int:
     scheduler.registry.close()
     ledger.close()
     return 0
-
 
 
 class _Signals:

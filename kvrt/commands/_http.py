@@ -1,0 +1,104 @@
+"""``kvrt serve --http``: OpenAI's HTTP API over continuous-batching engines, one per model."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvrt.bindings import FLASH_ATTN
+from kvrt.errors import KvrtError
+
+if TYPE_CHECKING:  # the serve extra's imports wait until --http is used
+    from kvrt.engine.batching import Engine
+    from kvrt.engine.model import Model
+    from kvrt.serve.openai_server import OpenAIServer
+
+DESCRIPTION = """With --http HOST:PORT, serve one or more GGUF models over HTTP with OpenAI's
+API: /v1/models, /v1/completions and /v1/chat/completions (streaming, n, logprobs, stop, seed,
+penalties, JSON output through response_format). Any OpenAI client works: point its base URL
+at http://HOST:PORT/v1. Each model gets one llama.cpp context whose sequences are decoded
+together, one batch per step, so many requests share the machine; a prompt that starts like an
+earlier one reuses that one's cached cells and only the rest is computed. kvrt's own routes:
+/v1/kvrt/pins (keep a prefix cached), /v1/kvrt/fork (continue an earlier completion),
+/v1/kvrt/stats. A model's name is its file name without .gguf."""
+
+
+def add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    """The HTTP front's options (``--http`` itself is added by the caller)."""
+    group = parser.add_argument_group("HTTP front (--http)")
+    group.add_argument("--model", metavar="PATH", action="append", default=argparse.SUPPRESS,
+                       help="a GGUF file to serve; repeat for several models (none given: the demo model)")
+    group.add_argument("--n-ctx", type=int, default=4096,
+                       help="token cells per model, shared by all its requests (prompt and output)")
+    group.add_argument("--slots", type=int, default=8, help="requests (or choices) decoded together per model")
+    group.add_argument("--n-batch", type=int, default=512, help="most tokens computed in one step")
+    group.add_argument("--prefill-chunk", type=int, default=256,
+                       help="most prompt tokens one request computes per step, so long prompts do not stall others")
+    group.add_argument("--max-queue", type=int, default=64,
+                       help="requests waiting per model before new ones get HTTP 503")
+    group.add_argument("--flash-attn", choices=tuple(FLASH_ATTN), default="auto", help="llama.cpp flash attention")
+    group.add_argument("--max-tokens", type=int, default=512,
+                       help="output tokens for chat requests that set no max_tokens (capped by what fits)")
+    group.add_argument("--request-timeout-s", type=float, default=argparse.SUPPRESS,
+                       help="end any request after this many seconds, finish_reason 'deadline' (none: no limit)")
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) as a host and a port number."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise KvrtError(f"--http wants HOST:PORT (e.g. 127.0.0.1:8000), got {text!r}")
+    return host, int(port)
+
+
+@dataclass
+class HttpFront:
+    """A started HTTP server and what it owns; :meth:`close` stops it, then frees engines and models."""
+
+    server: OpenAIServer
+    address: tuple[str, int]
+    engines: dict[str, Engine] = field(default_factory=dict)
+    models: list[Model] = field(default_factory=list)
+
+    def close(self) -> None:
+        self.server.stop()
+        for engine in self.engines.values():
+            engine.close()
+        for model in self.models:
+            model.close()
+
+
+def start_http(args: argparse.Namespace) -> HttpFront:
+    """Load every ``--model``, start one engine each and serve them on ``--http`` from a background thread."""
+    from kvrt.engine.batching import Engine, EngineConfig
+    from kvrt.engine.model import Model
+    from kvrt.modelfiles.demo_model import demo_model_path
+    from kvrt.serve.openai_server import OpenAIServer
+
+    host, port = parse_address(args.http)
+    paths = [Path(p) for p in getattr(args, "model", None) or [demo_model_path()]]
+    names = [p.stem for p in paths]
+    if len(set(names)) != len(names):
+        raise KvrtError(f"two models would share a name (the file stem): {names}")
+    config = EngineConfig(n_ctx=args.n_ctx, n_seq_max=args.slots, n_batch=args.n_batch,
+                          prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
+                          flash_attn=args.flash_attn)
+    models: list[Model] = []
+    engines: dict[str, Engine] = {}
+    try:
+        for name, path in zip(names, paths):
+            models.append(Model(path, n_gpu_layers=args.n_gpu_layers))
+            engines[name] = Engine(models[-1], config)
+        server = OpenAIServer(engines, default_max_tokens=args.max_tokens,
+                              request_timeout_s=getattr(args, "request_timeout_s", None))
+        address = server.start(host, port)
+    except BaseException:
+        for engine in engines.values():
+            engine.close()
+        for model in models:
+            model.close()
+        raise
+    return HttpFront(server, address, engines, models)

@@ -1,0 +1,79 @@
+"""``kvrt serve --http`` as a user starts it: a real process, driven by the official ``openai`` client.
+
+The in-process server's behaviour is covered in ``test_openai_server.py``; this checks the
+command itself: it prints where it listens, streams a chat completion, constrains output to a
+JSON schema, refuses a bad address or both fronts at once, and exits 0 on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="the serve extra (pip install fastapi uvicorn openai) is not installed")
+jsonschema = pytest.importorskip("jsonschema")
+
+WAIT_S = 120.0
+KVRT = [sys.executable, "-m", "kvrt.cli"]
+
+
+@pytest.fixture(scope="module")
+def server(demo_model_path: Path) -> Iterator[str]:
+    """``kvrt serve --http 127.0.0.1:0`` on the demo model; yields its base URL."""
+    proc = subprocess.Popen([*KVRT, "serve", "--http", "127.0.0.1:0", "--model", str(demo_model_path),
+                             "--n-ctx", "2048", "--slots", "2", "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        found = re.search(r"(http://\S+/v1)", line)
+        if not found:
+            proc.kill()
+            pytest.fail(f"kvrt serve --http printed {line!r}; stderr: {proc.communicate(timeout=WAIT_S)[1][-2000:]}")
+        yield found.group(1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT_S) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
+
+
+@pytest.fixture(scope="module")
+def client(server: str):
+    return openai.OpenAI(base_url=server, api_key="unused", max_retries=0, timeout=WAIT_S)
+
+
+def test_streaming_chat_completion(client, demo_model_path: Path):
+    stream = client.chat.completions.create(model=demo_model_path.stem, stream=True, max_tokens=12, temperature=0,
+                                            messages=[{"role": "user", "content": "Name three colours."}])
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(chunks) > 2 and text.strip()
+    assert chunks[-1].choices[0].finish_reason in {"stop", "length"}
+
+
+def test_json_schema_completion(client, demo_model_path: Path):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    response = client.chat.completions.create(
+        model=demo_model_path.stem, max_tokens=64, temperature=0,
+        messages=[{"role": "user", "content": "Invent a person; answer in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+    assert response.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(response.choices[0].message.content), schema)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--http", "localhost"], "HOST:PORT"),
+    (["--http", "127.0.0.1:0", "--socket", "/tmp/kvrt-never.sock"], "exactly one of"),
+    ([], "exactly one of"),
+])
+def test_bad_invocations_are_refused_with_the_reason(args: list[str], says: str):
+    done = subprocess.run([*KVRT, "serve", *args], capture_output=True, text=True, timeout=WAIT_S,
+                          env={**os.environ, "KVRT_EXTRA_BUFTS": "off"})
+    assert done.returncode == 2 and says in done.stderr, done.stderr
