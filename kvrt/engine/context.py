@@ -20,13 +20,18 @@ from kvrt._handle import NativeHandle, OwnsHandle
 from kvrt.bindings import FLASH_ATTN, STATE_SEQ_FLAGS_NONE, capture, explain, ffi, lib
 from kvrt.engine.batch import Batch
 from kvrt.engine.model import Model
-from kvrt.errors import ContextError, DecodeError, KvrtError, StateError
+from kvrt.checks import check_int, shown
+from kvrt.errors import ContextError, DecodeError, InvalidArgument, KvrtError, StateError
 
 _DECODE_CODES = {
     1: "no KV slot for the batch (the context is full: free sequences or use a larger n_ctx)",
     2: "aborted by the abort callback",
     -1: "invalid input batch",
 }
+
+
+_UINT32_MAX = 2**32 - 1
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -50,16 +55,19 @@ class ContextParams:
     swa_full: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise KvrtError(f"ContextParams.{name} must be a positive integer, got {value!r}")
+        for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):  # uint32_t in llama_context_params
+            check_int(getattr(self, name), f"ContextParams.{name}", low=1, high=_UINT32_MAX,
+                      noun="a positive integer")
         if self.n_ubatch > self.n_batch:
-            raise KvrtError(f"n_ubatch ({self.n_ubatch}) cannot exceed n_batch ({self.n_batch})")
-        if self.flash_attn not in FLASH_ATTN:
-            raise KvrtError(f"flash_attn must be one of {sorted(FLASH_ATTN)}, got {self.flash_attn!r}")
-        if self.n_threads is not None and self.n_threads <= 0:
-            raise KvrtError(f"n_threads must be positive, got {self.n_threads}")
+            raise InvalidArgument(f"n_ubatch ({self.n_ubatch}) cannot exceed n_batch ({self.n_batch})")
+        if not isinstance(self.flash_attn, str) or self.flash_attn not in FLASH_ATTN:
+            raise InvalidArgument(f"ContextParams.flash_attn must be one of {sorted(FLASH_ATTN)}, "
+                                  f"got {shown(self.flash_attn)}")
+        if self.n_threads is not None:  # int32_t
+            check_int(self.n_threads, "ContextParams.n_threads", low=1, high=_INT32_MAX, noun="a positive integer")
+        for name in ("kv_unified", "offload_kqv", "swa_full"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgument(f"ContextParams.{name} must be True or False, got {shown(getattr(self, name))}")
 
     @property
     def threads(self) -> int:
@@ -207,6 +215,18 @@ class Context(OwnsHandle):
             raise KvrtError(f"cannot copy sequence {src} onto itself")
         lib().llama_memory_seq_cp(self._memory, src, dst, p0, p1)
         self._wrote()
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, delta: int) -> None:
+        """Shift the positions [p0, p1) of ``seq_id`` by ``delta`` (RoPE is re-applied on the next decode)."""
+        self._check_seq(seq_id)
+        if not self.can_shift:
+            raise KvrtError(f"model {self.model.path.name}: llama.cpp cannot shift this context's positions")
+        lib().llama_memory_seq_add(self._memory, seq_id, p0, p1, delta)
+        self._wrote()
+
+    @property
+    def can_shift(self) -> bool:
+        return bool(lib().llama_memory_can_shift(self._memory))
 
     # -- decoding ---------------------------------------------------------------------
     def _validate(self, batch: Batch) -> None:
