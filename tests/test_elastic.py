@@ -113,12 +113,12 @@ def test_unmap_waits_for_the_fence_and_regrowth_reuses_the_mapping():
     maps = pool.stats().maps
     a.grow_to(3 * PAGE)  # still mapped: reused in place, no driver call, data intact
     assert pool.stats().maps == maps and holds(a, 7)
-    a.shrink_to(PAGE, ManualFence())
+    later = ManualFence()
+    a.shrink_to(PAGE, later)
     fence.finished = True
     pool.maintain()
     assert driver.mapped_pages == 4, "a later undone fence still protects the stripes"
-    for pending in a._pending:
-        pending.fence.finished = True
+    later.finished = True
     pool.maintain()
     assert driver.mapped_pages == 1
     pool.close()

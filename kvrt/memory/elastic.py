@@ -44,21 +44,18 @@ running kernels):
 
 from __future__ import annotations
 
-import math
 import threading
-import time
 from dataclasses import dataclass
-from typing import Any
 
 from kvrt.errors import KvrtError
-from kvrt.memory.vmm import DeviceOutOfMemory, Fence, PageDriver
-from kvrt.serve.ledger import LedgerDenied, Reservation, VramLedger
+from kvrt.memory.elastic_supply import ElasticError, Page, PageSupply, Shortage
+from kvrt.memory.elastic_tenant import Tenant
+from kvrt.memory.vmm import Fence, PageDriver
+from kvrt.serve.ledger import VramLedger
+
+__all__ = ["DEFAULT_POOL_OWNER", "ElasticError", "ElasticPool", "ElasticRefusal", "PoolStats", "Tenant"]
 
 DEFAULT_POOL_OWNER = "pool:elastic"
-
-
-class ElasticError(KvrtError):
-    """Misuse of the pool: bad sizes, an unknown or closed tenant."""
 
 
 @dataclass(frozen=True)
@@ -98,130 +95,8 @@ class ElasticRefusal(KvrtError):
         )
 
 
-class _Charge:
-    """One owner's ledger reservation, kept equal to the bytes that owner holds."""
-
-    def __init__(self, ledger: VramLedger | None, owner: str) -> None:
-        self.owner = owner
-        self.nbytes = 0
-        self._ledger = ledger
-        self._reservation: Reservation | None = ledger.try_reserve(0, owner) if ledger is not None else None
-
-    def add(self, n: int) -> LedgerDenied | None:
-        if self._ledger is not None and self._reservation is not None:
-            try:
-                self._ledger.resize(self._reservation, self.nbytes + n)
-            except LedgerDenied as denied:
-                return denied
-        self.nbytes += n
-        return None
-
-    def sub(self, n: int) -> None:
-        if self._ledger is not None and self._reservation is not None:
-            self._ledger.resize(self._reservation, self.nbytes - n)
-        self.nbytes -= n
-
-    @property
-    def ledger_bytes(self) -> int | None:
-        return self._reservation.nbytes if self._reservation is not None else None
-
-    def close(self) -> None:
-        if self._ledger is not None and self._reservation is not None:
-            self._ledger.release(self._reservation)
-            self._reservation = None
-
-
-@dataclass(eq=False)
-class _Page:
-    handle: Any
-    parked_at: float = 0.0
-
-
-@dataclass(eq=False)
-class _Pending:
-    fence: Fence
-    lowest: int  # the fence protects stripes at this index and above
-
-
-class Tenant:
-    """One contiguous virtual range of ``segments`` × ``segment_bytes``, backed as it grows.
-
-    Create through :meth:`ElasticPool.add_tenant`. Sizes are per segment: ``grow_to(n)``
-    backs the first ``n`` bytes of every segment.
-    """
-
-    def __init__(self, pool: ElasticPool, name: str, segments: int, segment_bytes: int, va: int,
-                 charge: _Charge, map_ahead_stripes: int) -> None:
-        self.pool = pool
-        self.name = name
-        self.segments = segments
-        self.segment_bytes = segment_bytes
-        self.va = va
-        self.map_ahead_stripes = map_ahead_stripes
-        self._charge = charge
-        self._stripes: list[list[_Page]] = []  # stripe index -> one page per segment
-        self._committed = 0
-        self._growing = False
-        self._pending: list[_Pending] = []
-        self.closed = False
-
-    # sizes --------------------------------------------------------------------------
-    @property
-    def max_stripes(self) -> int:
-        return self.segment_bytes // self.pool.page_bytes
-
-    @property
-    def committed_bytes(self) -> int:
-        """Backed bytes per segment that kernels may read."""
-        return self._committed * self.pool.page_bytes
-
-    @property
-    def mapped_bytes(self) -> int:
-        """Physical bytes mapped into the whole range (what the ledger holds for this tenant)."""
-        return len(self._stripes) * self.segments * self.pool.page_bytes
-
-    @property
-    def total_bytes(self) -> int:
-        return self.segments * self.segment_bytes
-
-    def segment_va(self, segment: int) -> int:
-        if not 0 <= segment < self.segments:
-            raise ElasticError(f"segment {segment} is outside [0, {self.segments}) of tenant {self.name!r}")
-        return self.va + segment * self.segment_bytes
-
-    # operations ---------------------------------------------------------------------
-    def grow_to(self, nbytes: int) -> None:
-        """Back at least ``nbytes`` of every segment; raises :class:`ElasticRefusal`."""
-        self.pool._grow(self, nbytes)
-
-    def shrink_to(self, nbytes: int, fence: Fence | None = None) -> None:
-        """Keep ``nbytes`` per segment; the rest returns to the pool once ``fence`` is done."""
-        self.pool._shrink(self, nbytes, fence)
-
-    def view(self, segment: int, shape: tuple[int, ...], dtype: Any) -> Any:
-        """An array over the start of ``segment`` (CuPy on CUDA): read only the committed part."""
-        nbytes = math.prod(shape) * _itemsize(dtype)
-        if nbytes > self.segment_bytes:
-            raise ElasticError(f"a view of {nbytes} B does not fit segment of {self.segment_bytes} B "
-                               f"of tenant {self.name!r}")
-        return self.pool.driver.array(self.segment_va(segment), shape, dtype, self)
-
-    def close(self, fence: Fence | None = None) -> None:
-        self.pool.remove_tenant(self, fence)
-
-    def __repr__(self) -> str:
-        return (f"Tenant({self.name!r}, {self.segments}x{self.segment_bytes} B, committed {self.committed_bytes} B, "
-                f"mapped {self.mapped_bytes} B)")
-
-
-def _itemsize(dtype: Any) -> int:
-    import numpy as np
-
-    return int(np.dtype(dtype).itemsize)
-
-
 class ElasticPool:
-    """Physical pages shared by tenants; policy and accounting over a :class:`kvrt.memory.vmm.PageDriver`.
+    """Physical pages shared by tenants: the policy over a :class:`PageSupply` and its tenants.
 
     ``capacity_bytes`` caps the physical memory the pool may hold (``None``: the ledger
     and the device decide). ``ledger`` is charged as the module docstring says.
@@ -250,10 +125,10 @@ class ElasticPool:
             raise ElasticError(
                 f"need 0 <= idle_target_pages ({idle_target_pages}) <= idle_max_pages ({idle_max_pages}), "
                 f"map_ahead_stripes >= 0 ({map_ahead_stripes}) and park_s >= 0 ({park_s})")
-        self.driver = driver
-        self.page_bytes = int(driver.page_bytes)
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ElasticError(f"capacity_bytes must be non-negative, got {capacity_bytes}")
+        self.driver = driver
+        self.page_bytes = int(driver.page_bytes)
         self.capacity_pages = None if capacity_bytes is None else capacity_bytes // self.page_bytes
         self.idle_target_pages = idle_target_pages
         self.idle_max_pages = idle_max_pages
@@ -261,15 +136,10 @@ class ElasticPool:
         self.map_ahead_stripes = map_ahead_stripes
         self.background_map = background_map
         self.owner = owner
-        self._ledger = ledger
-        self._charge = _Charge(ledger, owner)
+        self._supply = PageSupply(driver, ledger, owner, self.capacity_pages)
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
-        self._idle: list[_Page] = []
-        self._live = 0
         self._tenants: dict[str, Tenant] = {}
-        self._counts = {"created": 0, "released": 0, "maps": 0, "unmaps": 0}
-        self._why = ""
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._thread_error: BaseException | None = None
@@ -278,7 +148,7 @@ class ElasticPool:
     # tenants ------------------------------------------------------------------------
     def add_tenant(self, name: str, segment_bytes: int, *, segments: int = 1,
                    map_ahead_stripes: int | None = None) -> Tenant:
-        """Reserve virtual space for ``segments`` × ``segment_bytes`` (rounded up to pages); maps nothing."""
+        """Reserve virtual space for ``segments`` x ``segment_bytes`` (rounded up to pages); maps nothing."""
         if segments <= 0 or segment_bytes <= 0:
             raise ElasticError(f"tenant {name!r} needs positive segments and segment_bytes, "
                                f"got {segments} x {segment_bytes}")
@@ -287,14 +157,14 @@ class ElasticPool:
             self._check_open()
             if name in self._tenants:
                 raise ElasticError(f"the pool already has a tenant named {name!r}")
-            charge = _Charge(self._ledger, f"elastic:{name}")
+            charge = self._supply.new_charge(f"elastic:{name}")
             try:
                 va = self.driver.reserve(segments * segment_bytes)
             except BaseException:
                 charge.close()
                 raise
             ahead = self.map_ahead_stripes if map_ahead_stripes is None else map_ahead_stripes
-            tenant = Tenant(self, name, segments, segment_bytes, va, charge, ahead)
+            tenant = Tenant(self, self._supply, name, segments, segment_bytes, va, charge, ahead)
             self._tenants[name] = tenant
             return tenant
 
@@ -302,14 +172,8 @@ class ElasticPool:
         """Return every page of ``tenant`` to the pool (after ``fence``) and free its range."""
         with self._lock:
             self._check_tenant(tenant)
-            self._shrink(tenant, 0, fence)
-            for pending in tenant._pending:
-                pending.fence.wait()
-            tenant._pending.clear()
-            self._unmap_above(tenant, 0)
-            self.driver.free_reservation(tenant.va, tenant.total_bytes)
-            tenant._charge.close()
-            tenant.closed = True
+            self.shrink(tenant, 0, fence)
+            tenant.retire()
             del self._tenants[tenant.name]
 
     @property
@@ -318,193 +182,56 @@ class ElasticPool:
             return list(self._tenants.values())
 
     # growth and shrink ----------------------------------------------------------------
-    def _grow(self, tenant: Tenant, nbytes: int) -> None:
+    def grow(self, tenant: Tenant, nbytes: int) -> None:
+        """Back at least ``nbytes`` of every segment of ``tenant`` (:meth:`Tenant.grow_to`)."""
         if nbytes < 0:
             raise ElasticError(f"tenant {tenant.name!r}: size must be non-negative, got {nbytes}")
         need = -(-nbytes // self.page_bytes)
         with self._lock:
             self._check_tenant(tenant)
+            missing = need - tenant.mapped_stripes
             if nbytes > tenant.segment_bytes:
-                raise self._refusal(tenant, nbytes, need - len(tenant._stripes),
+                raise self._refusal(tenant, nbytes, missing,
                                     f"exceeds the tenant's maximum of {tenant.segment_bytes} B per segment")
-            if need <= len(tenant._stripes):  # fast path: already mapped (ahead, or not yet unmapped)
-                tenant._committed = max(tenant._committed, need)
-                tenant._growing = True
-                self._wake.notify()
-                return
-            missing = need - len(tenant._stripes)
-            pages = self._gather(missing * tenant.segments, exclude=tenant)
-            if pages is None:
-                raise self._refusal(tenant, nbytes, missing * tenant.segments, self._why)
-            if not self._assign(tenant, pages):
-                raise self._refusal(tenant, nbytes, missing * tenant.segments, self._why)
-            tenant._committed = need
-            tenant._growing = True
+            if missing > 0:  # else the fast path: already mapped (ahead, or not yet unmapped)
+                pages = self._gather(missing * tenant.segments, exclude=tenant)
+                shortage = pages if isinstance(pages, Shortage) else tenant.map_stripes(pages)
+                if shortage is not None:
+                    raise self._refusal(tenant, nbytes, missing * tenant.segments, shortage.reason)
+            tenant.commit(need)
             self._wake.notify()
 
-    def _shrink(self, tenant: Tenant, nbytes: int, fence: Fence | None) -> None:
+    def shrink(self, tenant: Tenant, nbytes: int, fence: Fence | None = None) -> None:
+        """Keep ``nbytes`` per segment of ``tenant``; the rest returns once ``fence`` is done (:meth:`Tenant.shrink_to`)."""
         if nbytes < 0:
             raise ElasticError(f"tenant {tenant.name!r}: size must be non-negative, got {nbytes}")
         keep = -(-nbytes // self.page_bytes)
         with self._lock:
             self._check_tenant(tenant)
-            tenant._growing = False
-            if keep >= tenant._committed:
+            if not tenant.release(keep, fence):
                 return
-            if tenant._stripes[keep:]:
-                tenant._pending.append(_Pending(fence if fence is not None else self.driver.fence(), keep))
-            tenant._committed = keep
             if self._thread is None:
-                self._reclaim(tenant)
+                tenant.reclaim()
             else:
                 self._wake.notify()
 
-    # page supply ----------------------------------------------------------------------
-    def _gather(self, n: int, exclude: Tenant | None) -> list[_Page] | None:
-        """``n`` idle pages (charged to the pool), or ``None`` with ``self._why`` set and nothing taken."""
-        got: list[_Page] = []
+    def _gather(self, n: int, exclude: Tenant) -> list[Page] | Shortage:
+        """``n`` idle pages (charged to the pool), stealing unused stripes if need be; else why not, nothing taken."""
+        got: list[Page] = []
         while len(got) < n:
-            if self._idle:
-                got.append(self._idle.pop())
-            elif (page := self._create()) is not None:
+            if (page := self._supply.pop_one()) is not None:
                 got.append(page)
+            elif not isinstance(created := self._supply.create(), Shortage):
+                got.append(created)
             elif not (self._steal(exclude, wait=False) or self._steal(exclude, wait=True)):
-                self._idle.extend(reversed(got))
-                return None
+                self._supply.give_back(got[::-1])
+                return created
         return got
 
-    def _create(self) -> _Page | None:
-        if self.capacity_pages is not None and self._live >= self.capacity_pages:
-            self._why = f"pool capacity of {self.capacity_pages} pages is in use"
-            return None
-        denied = self._charge.add(self.page_bytes)
-        if denied is not None:
-            self._why = str(denied)
-            return None
-        try:
-            handle = self.driver.create_page()
-        except DeviceOutOfMemory as exc:
-            self._charge.sub(self.page_bytes)
-            self._why = f"device out of memory ({exc})"
-            return None
-        except BaseException:
-            self._charge.sub(self.page_bytes)
-            raise
-        self._live += 1
-        self._counts["created"] += 1
-        return _Page(handle)
-
-    def _steal(self, exclude: Tenant | None, *, wait: bool) -> bool:
-        """Unmap one uncommitted stripe of another tenant into the idle list.
-
-        Without ``wait`` only stripes no pending fence protects; with it, wait for the
-        fences of the first candidate (its work was submitted, so the wait ends).
-        """
-        candidates = sorted((t for t in self._tenants.values() if t is not exclude and len(t._stripes) > t._committed),
-                            key=lambda t: t._growing)
-        for tenant in candidates:
-            top = len(tenant._stripes) - 1
-            blocking = [p for p in tenant._pending if p.lowest <= top and not p.fence.done()]
-            if blocking and not wait:
-                continue
-            for pending in blocking:
-                pending.fence.wait()
-            self._prune(tenant)
-            self._unmap_above(tenant, top)
-            return True
-        return False
-
-    def _assign(self, tenant: Tenant, pages: list[_Page]) -> bool:
-        """Map ``pages`` as new stripes of ``tenant``, moving their charge from the pool."""
-        nbytes = len(pages) * self.page_bytes
-        outcome = self._move_charge(self._charge, tenant._charge, nbytes)
-        if outcome == "denied":
-            self._idle.extend(pages)
-            return False
-        if outcome == "lost":
-            for page in pages:
-                self._destroy(page)
-            return False
-        for start in range(0, len(pages), tenant.segments):
-            stripe = pages[start:start + tenant.segments]
-            index = len(tenant._stripes)
-            mapped: list[int] = []
-            try:
-                for segment, page in enumerate(stripe):
-                    va = tenant.segment_va(segment) + index * self.page_bytes
-                    self.driver.map_page(va, page.handle)
-                    mapped.append(va)
-                    self.driver.set_access(va, self.page_bytes)
-                    self._counts["maps"] += 1
-            except BaseException:  # undo this stripe; earlier stripes stay (uncommitted, reclaimable)
-                for va in mapped:
-                    self.driver.unmap_page(va)
-                self._park(pages[start:], tenant._charge)
-                raise
-            tenant._stripes.append(stripe)
-        return True
-
-    def _move_charge(self, src: _Charge, dst: _Charge, nbytes: int) -> str:
-        """``moved``, ``denied`` (both unchanged) or ``lost`` (src gave up the bytes and could not take them back)."""
-        if (denied := dst.add(nbytes)) is None:
-            src.sub(nbytes)
-            return "moved"
-        src.sub(nbytes)  # the bytes being handed over may be what blocks dst
-        if (denied := dst.add(nbytes)) is None:
-            return "moved"
-        self._why = str(denied)
-        return "denied" if src.add(nbytes) is None else "lost"
-
-    def _destroy(self, page: _Page) -> None:
-        """Release an unmapped, uncharged page to the driver."""
-        self.driver.release_page(page.handle)
-        self._live -= 1
-        self._counts["released"] += 1
-
-    # returning pages --------------------------------------------------------------------
-    def _prune(self, tenant: Tenant) -> None:
-        tenant._pending = [p for p in tenant._pending if not p.fence.done()]
-
-    def _safe_floor(self, tenant: Tenant) -> int:
-        """Lowest stripe index that may be unmapped now (stripes go top down, so one protected stripe blocks all)."""
-        self._prune(tenant)
-        if any(p.lowest < len(tenant._stripes) for p in tenant._pending):
-            return len(tenant._stripes)
-        return tenant._committed + (tenant.map_ahead_stripes if tenant._growing else 0)
-
-    def _reclaim(self, tenant: Tenant) -> None:
-        """Unmap the stripes of ``tenant`` above its committed prefix (plus map-ahead) that are safe."""
-        floor = self._safe_floor(tenant)
-        if floor < len(tenant._stripes):
-            self._unmap_above(tenant, floor)
-
-    def _unmap_above(self, tenant: Tenant, floor: int) -> None:
-        """Unmap stripes ``floor..`` of ``tenant`` (top down) and park their pages idle."""
-        removed = tenant._stripes[floor:]
-        if not removed:
-            return
-        now = time.monotonic()
-        for index in range(len(tenant._stripes) - 1, floor - 1, -1):
-            for segment, page in enumerate(tenant._stripes[index]):
-                self.driver.unmap_page(tenant.segment_va(segment) + index * self.page_bytes)
-                self._counts["unmaps"] += 1
-                page.parked_at = now
-        del tenant._stripes[floor:]
-        self._park([page for stripe in removed for page in stripe], tenant._charge)
-
-    def _park(self, pages: list[_Page], holder: _Charge) -> None:
-        """Make unmapped ``pages`` idle, moving their charge from ``holder`` to the pool.
-
-        If the ledger will not let the pool hold them, they go back to the device.
-        """
-        outcome = self._move_charge(holder, self._charge, len(pages) * self.page_bytes)
-        if outcome == "moved":
-            self._idle.extend(pages)
-            return
-        if outcome == "denied":
-            holder.sub(len(pages) * self.page_bytes)
-        for page in pages:
-            self._destroy(page)
+    def _steal(self, exclude: Tenant, *, wait: bool) -> bool:
+        """Unmap one uncommitted stripe of another tenant (growing tenants last) into the idle list."""
+        others = sorted((t for t in self._tenants.values() if t is not exclude), key=lambda t: t.growing)
+        return any(tenant.give_up_top(wait=wait) for tenant in others)
 
     # background work --------------------------------------------------------------------
     def maintain(self) -> None:
@@ -515,55 +242,31 @@ class ElasticPool:
         for tenant in tenants:
             with self._lock:
                 if not tenant.closed:
-                    self._reclaim(tenant)
+                    tenant.reclaim()
         if self.background_map:
             for tenant in tenants:
                 self._map_ahead(tenant)
         while True:
             with self._lock:
-                if len(self._idle) >= self.idle_target_pages or (page := self._create()) is None:
+                if self._supply.idle_count >= self.idle_target_pages or not self._supply.add_idle():
                     break
-                page.parked_at = time.monotonic()
-                self._idle.append(page)
-        self._release_parked()
+        with self._lock:
+            self._supply.release_parked(self.idle_max_pages, self.park_s)
 
     def _map_ahead(self, tenant: Tenant) -> None:
         with self._lock:
-            if tenant.closed or not tenant._growing:
+            if tenant.closed or not tenant.growing:
                 return
-            target = min(tenant._committed + tenant.map_ahead_stripes, tenant.max_stripes)
-            while len(tenant._stripes) < target:
-                if len(self._idle) < tenant.segments:
-                    pages = [p for p in (self._create() for _ in range(tenant.segments - len(self._idle)))
-                             if p is not None]
-                    self._idle.extend(pages)
-                    if len(self._idle) < tenant.segments:
-                        return
-                stripe = [self._idle.pop() for _ in range(tenant.segments)]
-                if not self._assign(tenant, stripe):
+            while tenant.mapped_stripes < tenant.map_ahead_target():
+                if not self._supply.stock(tenant.segments):
                     return
-
-    def _release_parked(self) -> None:
-        with self._lock:
-            excess = len(self._idle) - self.idle_max_pages
-            if excess <= 0:
-                return
-            now = time.monotonic()
-            self._idle.sort(key=lambda p: p.parked_at)  # oldest first
-            old = [p for p in self._idle[:excess] if now - p.parked_at >= self.park_s]
-            del self._idle[:len(old)]
-            for page in old:
-                self._charge.sub(self.page_bytes)
-                self._destroy(page)
+                if tenant.map_stripes(self._supply.pop(tenant.segments)) is not None:
+                    return
 
     def trim(self) -> int:
         """Release every idle page to the device now; returns how many."""
         with self._lock:
-            pages, self._idle = self._idle, []
-            for page in pages:
-                self._charge.sub(self.page_bytes)
-                self._destroy(page)
-            return len(pages)
+            return self._supply.trim()
 
     def start(self, interval_s: float = 0.002) -> None:
         """Run :meth:`maintain` on a daemon thread: woken by growth and shrink, else every ``interval_s``."""
@@ -608,7 +311,7 @@ class ElasticPool:
         for tenant in self.tenants:
             self.remove_tenant(tenant)
         self.trim()
-        self._charge.close()
+        self._supply.charge.close()
         self.closed = True
 
     def __enter__(self) -> ElasticPool:
@@ -620,39 +323,19 @@ class ElasticPool:
     # introspection ------------------------------------------------------------------------
     def stats(self) -> PoolStats:
         with self._lock:
-            mapped = sum(len(t._stripes) * t.segments for t in self._tenants.values())
-            committed = sum(t._committed * t.segments for t in self._tenants.values())
-            return PoolStats(self.page_bytes, self._live, len(self._idle), mapped, committed, len(self._tenants),
-                             self.capacity_pages, **self._counts)
+            tenants = self._tenants.values()
+            supply = self._supply
+            return PoolStats(self.page_bytes, supply.live, supply.idle_count,
+                             sum(t.mapped_stripes * t.segments for t in tenants),
+                             sum(t.committed_stripes * t.segments for t in tenants), len(self._tenants),
+                             self.capacity_pages, supply.created, supply.released, supply.maps, supply.unmaps)
 
     def check(self) -> PoolStats:
         """Verify the ownership and accounting invariants; raises :class:`ElasticError` naming the first broken one."""
         with self._lock:
-            seen: set[int] = set()
-            pages = list(self._idle)
-            ranges = []
-            for tenant in self._tenants.values():
-                if not 0 <= tenant._committed <= len(tenant._stripes) <= tenant.max_stripes:
-                    raise ElasticError(f"{tenant.name}: committed {tenant._committed} / mapped "
-                                       f"{len(tenant._stripes)} / max {tenant.max_stripes} stripes out of order")
-                for stripe in tenant._stripes:
-                    if len(stripe) != tenant.segments:
-                        raise ElasticError(f"{tenant.name}: a stripe has {len(stripe)} pages, not {tenant.segments}")
-                    pages.extend(stripe)
-                if self._ledger is not None and tenant._charge.ledger_bytes != tenant.mapped_bytes:
-                    raise ElasticError(f"{tenant.name}: ledger holds {tenant._charge.ledger_bytes} B but "
-                                       f"{tenant.mapped_bytes} B are mapped")
-                ranges.append((tenant.va, tenant.va + tenant.total_bytes, tenant.name))
-            for page in pages:
-                if id(page) in seen:
-                    raise ElasticError(f"page {page.handle!r} is held twice")
-                seen.add(id(page))
-            if len(pages) != self._live:
-                raise ElasticError(f"{len(pages)} pages are accounted for but {self._live} exist (leak)")
-            if self._ledger is not None and self._charge.ledger_bytes != len(self._idle) * self.page_bytes:
-                raise ElasticError(f"pool ledger holds {self._charge.ledger_bytes} B for "
-                                   f"{len(self._idle)} idle pages of {self.page_bytes} B")
-            ranges.sort()
+            mapped = [page for tenant in self._tenants.values() for page in tenant.check()]
+            self._supply.check(mapped)
+            ranges = sorted((t.va, t.va + t.total_bytes, t.name) for t in self._tenants.values())
             for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
                 if start < end:
                     raise ElasticError(f"tenants {a!r} and {b!r} overlap")
