@@ -89,3 +89,14 @@ def test_rms_norm_spans_rows_with_fewer_blocks_than_rows(monkeypatch: pytest.Mon
 def test_shape_mismatches_are_refused_before_launch(call) -> None:
     with pytest.raises(ValueError):
         call()
+
+
+def test_importing_the_kernels_leaves_numpy_as_it_was(monkeypatch):
+    """The numba-cuda bridge for NumPy 2.5 (no ``row_stack``) must not leave the alias behind."""
+    import numpy
+
+    import kvrt.kernels
+
+    monkeypatch.delattr(numpy, "row_stack", raising=False)  # as on NumPy >= 2.5
+    kvrt.kernels._import_numba_cuda_arrayobj()
+    assert not hasattr(numpy, "row_stack")
