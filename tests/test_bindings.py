@@ -78,9 +78,9 @@ def test_misaligned_host_memory_is_refused_instead_of_aborting() -> None:
 
 
 def test_devices_report_memory() -> None:
-    from kvrt.engine.ggml_memory import devices
+    from kvrt.system.gpu import llama_devices
 
-    found = devices()
+    found = llama_devices()
     assert found[0].kind in {"cpu", "gpu", "accel", "igpu"}
     assert any(d.kind == "cpu" for d in found)
 

@@ -8,7 +8,7 @@ from kvrt.bindings import lib
 
 from kvrt import Context, Model
 from kvrt.engine.generation import prefill
-from kvrt.engine.ggml_memory import devices
+from kvrt.system.gpu import llama_devices
 
 pytestmark = pytest.mark.gpu
 
@@ -17,7 +17,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 20
 
 def test_llama_cpp_sees_the_gpu() -> None:
     assert lib().llama_supports_gpu_offload(), "llama.cpp was built without a GPU backend"
-    gpus = [d for d in devices() if d.kind == "gpu"]
+    gpus = [d for d in llama_devices() if d.kind == "gpu"]
     assert gpus and gpus[0].total_bytes > 0
 
 

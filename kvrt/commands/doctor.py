@@ -25,7 +25,7 @@ def _version(dist: str) -> str:
 
 def _llama() -> list[str]:
     from kvrt.bindings import ffi, ggml, lib, library_dir
-    from kvrt.engine.ggml_memory import devices
+    from kvrt.system.gpu import llama_devices
 
     out = [
         f"library dir     {library_dir()}",
@@ -37,7 +37,7 @@ def _llama() -> list[str]:
     regs = [ffi.string(g.ggml_backend_reg_name(g.ggml_backend_reg_get(i))).decode()
             for i in range(g.ggml_backend_reg_count())]
     out.append(f"backends        {', '.join(regs) or 'none'}")
-    for dev in devices():
+    for dev in llama_devices():
         out.append(f"device {dev.index}        {dev.name} ({dev.kind}) {dev.description}: "
                    f"{dev.free_bytes / 2**30:.1f} / {dev.total_bytes / 2**30:.1f} GiB free")
     return out

@@ -297,24 +297,16 @@ class DeviceMeter:
     """
 
     def __init__(self) -> None:
-        self._devices = llama_gpu_devices()
         self._before = self._free()
 
     @staticmethod
     def gpu_present() -> bool:
         return bool(llama_gpu_devices())
 
-    def _free(self) -> int | None:
-        if not self._devices:
-            return None
-        from kvrt.bindings import ffi, ggml
-
-        free, total = ffi.new("size_t *"), ffi.new("size_t *")
-        out = 0
-        for device in self._devices:
-            ggml().ggml_backend_dev_memory(device, free, total)
-            out += int(free[0])
-        return out
+    @staticmethod
+    def _free() -> int | None:
+        devices = llama_gpu_devices()
+        return sum(d.free_bytes for d in devices) if devices else None
 
     def delta(self) -> int | None:
         after = self._free()

@@ -8,6 +8,7 @@ no driver and no CuPy: it answers "none" and says why where a reason helps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -47,10 +48,35 @@ def cupy_usable() -> bool:
     return cupy_with_device()[0] is not None
 
 
-def llama_gpu_devices() -> list[Any]:
-    """llama.cpp's GPU devices (ggml backend devices of type gpu or igpu); empty on a CPU build."""
-    from kvrt.bindings import DEVICE_TYPES, ggml
+@dataclass(frozen=True)
+class Device:
+    """One ggml backend device of the loaded llama.cpp and its memory, as the backend reports it now."""
+
+    index: int
+    name: str
+    description: str
+    kind: str  # "cpu", "gpu", "igpu" or "accel" (ggml_backend_dev_type)
+    free_bytes: int
+    total_bytes: int
+
+
+def llama_devices() -> list[Device]:
+    """Every device the loaded ggml backends expose (the CPU is always one of them)."""
+    from kvrt.bindings import DEVICE_TYPES, ffi, ggml
 
     g = ggml()
-    devices = (g.ggml_backend_dev_get(i) for i in range(g.ggml_backend_dev_count()))
-    return [d for d in devices if DEVICE_TYPES.get(g.ggml_backend_dev_type(d)) in ("gpu", "igpu")]
+    free, total = ffi.new("size_t *"), ffi.new("size_t *")
+    found = []
+    for i in range(g.ggml_backend_dev_count()):
+        dev = g.ggml_backend_dev_get(i)
+        g.ggml_backend_dev_memory(dev, free, total)
+        found.append(Device(index=i, name=ffi.string(g.ggml_backend_dev_name(dev)).decode(),
+                            description=ffi.string(g.ggml_backend_dev_description(dev)).decode(),
+                            kind=DEVICE_TYPES.get(g.ggml_backend_dev_type(dev), "unknown"),
+                            free_bytes=int(free[0]), total_bytes=int(total[0])))
+    return found
+
+
+def llama_gpu_devices() -> list[Device]:
+    """llama.cpp's GPU devices (ggml backend devices of type gpu or igpu); empty on a CPU build."""
+    return [d for d in llama_devices() if d.kind in ("gpu", "igpu")]
