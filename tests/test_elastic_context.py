@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvrt.engine.context import Context
-from kvrt.engine.generation import GenerationParams, generate
+from kvrt.engine.generation import GenerationParams, generate, prefill
 from kvrt.errors import KvrtError
 from kvrt.memory.elastic_context import ElasticContext
 from kvrt.serve.ledger import LedgerDenied, VramLedger
@@ -72,14 +72,15 @@ def test_a_denied_growth_changes_nothing(tiny_model):
         ElasticContext(tiny_model, max_ctx=1024, min_ctx=100)
 
 
-def test_growth_in_the_middle_of_decoding_keeps_the_tokens(tiny_model):
-    prompt = tiny_model.tokenize(text(200, 6))[:250]  # 250 + 40 generated crosses the 256-cell bucket
+def test_a_growth_carrying_the_held_state_keeps_the_tokens(tiny_model):
+    prompt = tiny_model.tokenize(text(200, 6))[:250]  # 200 held, then 50 + 40 generated: 290 cells
     with Context(tiny_model, n_ctx=1024) as fixed:
-        expected = generate(fixed, prompt, GREEDY).tokens
-    with ElasticContext(tiny_model, max_ctx=1024, min_ctx=256, size_for_generation=False) as agent:
-        got = agent.generate(prompt, GREEDY).tokens
-        assert [(r.from_ctx, r.to_ctx) for r in agent.resizes] == [(256, 512)]
-        assert agent.resizes[0].n_tokens >= 256 - 1  # it moved while decoding, not during the prefill
+        prefill(fixed, prompt[:200], logits_last=False)
+        expected = generate(fixed, prompt[200:], GREEDY).tokens
+    with ElasticContext(tiny_model, max_ctx=1024, min_ctx=256) as agent:
+        agent.prefill(prompt[:200])
+        got = agent.generate(prompt[200:], GREEDY).tokens
+        assert [(r.from_ctx, r.to_ctx, r.n_tokens) for r in agent.resizes] == [(256, 512, 200)]
     assert got == expected
 
 
