@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvrt.bindings import ffi
-from kvrt.errors import ClosedError
+from kvrt.errors import ClosedError, KvrtError
 
 
 class NativeHandle:
@@ -27,6 +27,16 @@ class NativeHandle:
         self._what = what
         self.borrowed = borrowed
 
+    @classmethod
+    def borrow(cls, ctypes_pointer: Any, c_type: str, what: str) -> NativeHandle:
+        """A handle on a ctypes pointer that llama-cpp-python owns: usable here, never freed here."""
+        import ctypes
+
+        address = ctypes.cast(ctypes_pointer, ctypes.c_void_p).value
+        if not address:
+            raise KvrtError(f"the llama_cpp.Llama holds no {what} (was it closed?)")
+        return cls(ffi.cast(c_type, address), _never_called, what, borrowed=True)
+
     @property
     def ptr(self) -> Any:
         if self._ptr is None:
@@ -41,6 +51,10 @@ class NativeHandle:
         ptr, self._ptr = self._ptr, None
         if ptr is not None and not self.borrowed:
             self._free(ptr)
+
+
+def _never_called(ptr: Any) -> None:
+    raise AssertionError("a borrowed handle is never freed by kvrt")
 
 
 class OwnsHandle:

@@ -47,7 +47,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from kvrt.branching.baseline import Baseline, run_baseline
+from kvrt.branching.baseline import run_baseline
 from kvrt.branching.branches import (
     Branch,
     BranchResult,
@@ -59,8 +59,8 @@ from kvrt.branching.branches import (
     shared_params,
 )
 from kvrt.engine.batch import Batch
-from kvrt.engine.context import Context, ContextParams
-from kvrt.engine.generation import GenerationParams, generate, prefill
+from kvrt.engine.context import ContextParams
+from kvrt.engine.generation import GenerationParams, prefill
 from kvrt.engine.model import Model
 from kvrt.state.contextpool import ContextPool
 from kvrt_bench._peer import LlamaPeer

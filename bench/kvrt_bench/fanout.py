@@ -43,11 +43,9 @@ from kvrt_bench._fanout_arms import (
     REFERENCE,
     RUNNERS,
     ArmRun,
-    Baseline,
     Setup,
     fox_document,
     make_setup,
-    run_baseline,
     warm,
 )
 from kvrt_bench._plotting import draw

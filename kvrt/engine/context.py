@@ -118,14 +118,10 @@ class Context(OwnsHandle):
     @classmethod
     def from_llama_cpp(cls, llm: Any) -> Context:
         """Borrow the context of a ``llama_cpp.Llama`` together with its model."""
-        import ctypes
-
-        address = ctypes.cast(llm.ctx, ctypes.c_void_p).value
-        if not address:
-            raise KvrtError("the llama_cpp.Llama holds no context (was it closed?)")
+        handle = NativeHandle.borrow(llm.ctx, "struct llama_context *", "context")
         self = cls.__new__(cls)
         self.model = Model.from_llama_cpp(llm)
-        ptr = ffi.cast("struct llama_context *", address)
+        ptr = handle.ptr
         c_params = llm.context_params
         self.params = ContextParams(
             n_ctx=int(lib().llama_n_ctx(ptr)),
@@ -138,7 +134,7 @@ class Context(OwnsHandle):
             offload_kqv=bool(c_params.offload_kqv),
             swa_full=bool(c_params.swa_full),
         )
-        self._handle = NativeHandle(ptr, lib().llama_free, "context", borrowed=True)
+        self._handle = handle
         self._borrower = weakref.ref(llm)
         self.model._adopt(self)
         self._n_vocab = self.model.n_vocab

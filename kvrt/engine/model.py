@@ -196,16 +196,11 @@ class Model(OwnsHandle):
     @classmethod
     def from_llama_cpp(cls, llm: Any) -> Model:
         """Borrow the model of a ``llama_cpp.Llama`` (it stays owned by ``llm``)."""
-        import ctypes
-
-        address = ctypes.cast(llm.model, ctypes.c_void_p).value
-        if not address:
-            raise KvrtError("the llama_cpp.Llama holds no model (was it closed?)")
+        handle = NativeHandle.borrow(llm.model, "struct llama_model *", "model")
         self = cls.__new__(cls)
         self.path = Path(llm.model_path).resolve()
         self.params = _params_of_llama_cpp(llm.model_params)
-        self._handle = NativeHandle(ffi.cast("struct llama_model *", address), lib().llama_model_free,
-                                    f"model {self.path.name}", borrowed=True)
+        self._handle = handle
         self._contexts = weakref.WeakSet()
         self._fingerprint = None
         return self
