@@ -143,7 +143,7 @@ def _cpulist(text: str) -> set[int]:
 
 
 def metadata_only(n_tokens: int, reps: int) -> tuple[float, int]:
-    shape = Shape("metadata probe", n_layer=1, n_embd=32, n_head=1, n_head_kv=1, n_ff=32, n_vocab=512,
+    shape = Shape(label="metadata probe", n_layer=1, n_embd=32, n_head=1, n_head_kv=1, n_ff=32, n_vocab=512,
                   n_ctx_train=max(65536, n_tokens + 256))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "meta.gguf"

@@ -18,34 +18,26 @@ from pathlib import Path
 
 import numpy as np
 
+from kvrt.engine.geometry import ModelGeometry
+
 BYTE_TOKEN_TYPE = 6
 NORMAL, UNKNOWN, CONTROL, UNUSED = 1, 2, 3, 5
 _TILE_THRESHOLD = 1 << 22
 
 
-@dataclass(frozen=True)
-class Shape:
-    """A llama-architecture shape; ``label`` says whose shape it copies."""
+@dataclass(frozen=True, kw_only=True)
+class Shape(ModelGeometry):
+    """A llama-architecture test model's geometry and how to write it; ``label`` says whose shape it copies."""
 
     label: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
     n_ff: int
-    n_vocab: int
     n_ctx_train: int
     rope_freq_base: float = 10000.0
     dtype: str = "f32"
     """``f32``, ``f16`` or ``q4_0`` (matrices quantized; norms stay F32)."""
 
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
     def weight_bytes(self) -> int:
-        kv = self.n_head_kv * self.head_dim
-        per_layer = 2 * self.n_embd * self.n_embd + 2 * kv * self.n_embd + 3 * self.n_ff * self.n_embd
+        per_layer = 2 * self.n_embd * self.n_embd + 2 * self.kv_dim * self.n_embd + 3 * self.n_ff * self.n_embd
         return int(_BYTES_PER_WEIGHT[self.dtype] * (2 * self.n_vocab * self.n_embd + self.n_layer * per_layer))
 
 
@@ -53,15 +45,15 @@ _BYTES_PER_WEIGHT = {"f32": 4.0, "f16": 2.0, "q4_0": 18 / 32}  # Q4_0: 32 weight
 
 
 PRESETS: dict[str, Shape] = {
-    "tiny": Shape("tiny test model", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256,
+    "tiny": Shape(label="tiny test model", n_layer=4, n_embd=128, n_head=4, n_head_kv=2, n_ff=256,
                   n_vocab=512, n_ctx_train=65536, dtype="f32"),
-    "llama3.2-1b": Shape("Llama-3.2-1B shape", n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192,
+    "llama3.2-1b": Shape(label="Llama-3.2-1B shape", n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192,
                          n_vocab=128256, n_ctx_train=131072, rope_freq_base=500000.0, dtype="f16"),
     # Q4_0 matrices whose sides are multiples of 32: eligible for llama.cpp's CPU extra buffer types
     # (AMX, repacked weights), which :mod:`kvrt.system.cpu` probes with this preset.
-    "probe-q4_0": Shape("extra buffer type probe", n_layer=1, n_embd=256, n_head=4, n_head_kv=4, n_ff=512,
+    "probe-q4_0": Shape(label="extra buffer type probe", n_layer=1, n_embd=256, n_head=4, n_head_kv=4, n_ff=512,
                         n_vocab=512, n_ctx_train=4096, dtype="q4_0"),
-    "qwen2.5-7b": Shape("Qwen2.5-7B shape", n_layer=28, n_embd=3584, n_head=28, n_head_kv=4, n_ff=18944,
+    "qwen2.5-7b": Shape(label="Qwen2.5-7B shape", n_layer=28, n_embd=3584, n_head=28, n_head_kv=4, n_ff=18944,
                         n_vocab=152064, n_ctx_train=32768, rope_freq_base=1000000.0, dtype="f16"),
 }
 
@@ -91,7 +83,7 @@ def vocabulary(n_vocab: int) -> tuple[list[str], list[float], list[int]]:
 
 def _tensor_specs(shape: Shape) -> list[tuple[str, tuple[int, ...], bool]]:
     """(name, numpy shape (rows = output features), is_norm) in the order llama.cpp expects."""
-    e, kv, ff = shape.n_embd, shape.n_head_kv * shape.head_dim, shape.n_ff
+    e, kv, ff = shape.n_embd, shape.kv_dim, shape.n_ff
     specs: list[tuple[str, tuple[int, ...], bool]] = [("token_embd.weight", (shape.n_vocab, e), False)]
     for i in range(shape.n_layer):
         b = f"blk.{i}."

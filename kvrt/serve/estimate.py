@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from kvrt.errors import KvrtError
+from kvrt.engine.geometry import ModelGeometry
+from kvrt.errors import InvalidArgument, KvrtError
 from kvrt.system.gpu import llama_gpu_devices
 
-KV_TYPE_BYTES = 2  # llama.cpp's default cache type is F16 for both K and V
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 # Tensors llama.cpp always keeps in host memory, whatever n_gpu_layers says.
 _HOST_ONLY = {"token_embd.weight"}
@@ -177,19 +177,12 @@ def _read_gguf_header(path: Path) -> tuple[dict[str, object], dict[str, int], li
     return fields, arrays, tensors
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """What a GGUF header says about memory: tensor bytes per layer and the KV geometry."""
+@dataclass(frozen=True, kw_only=True)
+class ModelShape(ModelGeometry):
+    """What a GGUF header says about memory: the model's geometry and its tensor bytes per layer."""
 
     path: Path
     arch: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: int
-    key_length: int
-    value_length: int
-    n_vocab: int
     layer_bytes: tuple[int, ...]
     host_only_bytes: int
     other_bytes: int
@@ -215,7 +208,6 @@ class ModelShape:
         n_embd = field(f"{arch}.embedding_length")
         n_head = field(f"{arch}.attention.head_count")
         n_head_kv = field(f"{arch}.attention.head_count_kv", n_head)
-        head_dim = n_embd // n_head
         layer_bytes = [0] * n_layer
         host_only = other = 0
         for name, nbytes in tensors:
@@ -226,13 +218,16 @@ class ModelShape:
                 host_only += nbytes
             else:
                 other += nbytes
-        return cls(
-            path=path, arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
-            key_length=field(f"{arch}.attention.key_length", head_dim),
-            value_length=field(f"{arch}.attention.value_length", head_dim),
-            n_vocab=arrays.get("tokenizer.ggml.tokens", 0),
-            layer_bytes=tuple(layer_bytes), host_only_bytes=host_only, other_bytes=other,
-        )
+        try:
+            return cls(
+                path=path, arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv,
+                key_length=field(f"{arch}.attention.key_length", 0),
+                value_length=field(f"{arch}.attention.value_length", 0),
+                n_vocab=arrays.get("tokenizer.ggml.tokens", 0),
+                layer_bytes=tuple(layer_bytes), host_only_bytes=host_only, other_bytes=other,
+            )
+        except InvalidArgument as exc:
+            raise EstimateError(f"{path.name}: GGUF metadata: {exc}") from None
 
     @property
     def file_weight_bytes(self) -> int:
@@ -251,10 +246,6 @@ class ModelShape:
         n = self.n_layer + 1 if n_gpu_layers < 0 else min(n_gpu_layers, self.n_layer + 1)
         blocks = sum(self.layer_bytes[self.n_layer - min(n, self.n_layer):])
         return blocks + (self.other_bytes if n > self.n_layer else 0)
-
-    def kv_bytes_per_token(self) -> int:
-        """K and V of one token in every layer at the default F16 cache type."""
-        return self.n_layer * self.n_head_kv * (self.key_length + self.value_length) * KV_TYPE_BYTES
 
     def kv_bytes(self, n_ctx: int) -> int:
         return self.kv_bytes_per_token() * n_ctx
