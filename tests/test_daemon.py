@@ -43,6 +43,10 @@ N_CTX = 256
     (b"DECODE a 0 hello\n", "BAD_NUMBER"),
     (b"DECODE a 99999999999999 hello\n", "BAD_NUMBER"),
     (b"DECODE a 3 bad \\q escape\n", "BAD_ARGS"),
+    (b"REGISTER a /m.gguf 512 policy=evict\n", "BAD_ARGS"),
+    (b"REGISTER a /m.gguf 512 colour=red\n", "BAD_ARGS"),
+    (b"REGISTER a /m.gguf policy=grow policy=shift\n", "BAD_ARGS"),
+    (b"REGISTER a /m.gguf 512 min_ctx=-1\n", "BAD_NUMBER"),
     (b"HELP \xff\xfe\n", "BAD_UTF8"),
     (b"HELP\x00\n", "BAD_ARGS"),
     (b"x" * (MAX_LINE + 10), "LINE_TOO_LONG"),
@@ -56,8 +60,11 @@ def test_malformed_lines_become_err_lines(line, code):
 
 def test_well_formed_lines():
     assert parse_line(b"help\n").verb == "HELP"
-    assert parse_line(b"REGISTER a /m.gguf\n").args == ("a", "/m.gguf", 4096)
-    assert parse_line(b"REGISTER a /m.gguf 512\r\n").args == ("a", "/m.gguf", 512)
+    assert parse_line(b"REGISTER a /m.gguf\n").args == ("a", "/m.gguf", 4096, "refuse", None, None)
+    assert parse_line(b"REGISTER a /m.gguf 512\r\n").args == ("a", "/m.gguf", 512, "refuse", None, None)
+    assert parse_line(b"REGISTER a /m.gguf 2048 policy=grow min_ctx=300\n").args == (
+        "a", "/m.gguf", 2048, "grow", 300, None)
+    assert parse_line(b"REGISTER a /m.gguf keep=4 policy=shift\n").args == ("a", "/m.gguf", 4096, "shift", None, 4)
     assert parse_line(b"DECODE a 24  two  spaces\\nand a line\n").args == ("a", 24, " two  spaces\nand a line")
 
 
@@ -269,7 +276,7 @@ def test_stop_finishes_the_running_request_and_refuses_queued_ones(sock_dir, tin
 
     waiter = threading.Thread(target=queued)
     waiter.start()
-    while not scheduler.agents()[0]["queued"]:
+    while not scheduler.agents()[0].queued:
         threading.Event().wait(0.001)
     stopper = threading.Thread(target=server.stop)
     stopper.start()

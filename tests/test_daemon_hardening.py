@@ -146,7 +146,7 @@ def test_stop_is_bounded_even_when_the_running_request_never_ends(sock_dir, tiny
 
         waiter = threading.Thread(target=queued)
         waiter.start()
-        while not scheduler.agents()[0]["queued"]:
+        while not scheduler.agents()[0].queued:
             threading.Event().wait(0.001)
         outcome: list[bool] = []
         stopper = threading.Thread(target=lambda: outcome.append(server.stop(timeout=0.5)))
@@ -361,7 +361,7 @@ def test_bad_state_files_are_reported_and_skipped_and_the_rest_restored(sock_dir
             sched.register(name, replaced if name == "changed" else tiny_model_path, N_CTX)
             if name != "empty":
                 sched.decode(name, f"the text of {name}", 3)
-        held = {a["agent_id"]: a for a in sched.agents()}
+        held = {a.agent_id: a for a in sched.agents()}
     # close() saved all five
     snapshot_file = next(state.glob("flipped+*.kvs"))
     data = bytearray(snapshot_file.read_bytes())
@@ -370,10 +370,10 @@ def test_bad_state_files_are_reported_and_skipped_and_the_rest_restored(sock_dir
     (state / "garbled.agent.json").write_text('{"record": {"agent_id": "garbled"}, "checksum": "00"}')
     write_model(replaced, "tiny", seed=1)  # same path, other weights: its saved KV no longer fits it
     with Scheduler(VramLedger(1 << 30), n_threads=1, state_dir=state) as sched:
-        agents = {a["agent_id"]: a for a in sched.agents()}
+        agents = {a.agent_id: a for a in sched.agents()}
         assert set(agents) == {"good", "empty"}
-        assert agents["good"]["state"] == "swapped" and agents["empty"]["state"] == "cold"
-        assert agents["good"]["held_tokens"] == held["good"]["held_tokens"]
+        assert agents["good"].state == "swapped" and agents["empty"].state == "cold"
+        assert agents["good"].held_tokens == held["good"].held_tokens
         reasons = {p.agent_id: p.reason for p in sched.state_problems}
         assert set(reasons) == {"flipped", "garbled", "changed"}
         assert "checksum" in reasons["flipped"] and "checksum" in reasons["garbled"]
@@ -395,7 +395,7 @@ def test_unregister_forgets_the_saved_state(tmp_path, tiny_model_path):
         sched.register("gone", tiny_model_path, N_CTX)
         sched.decode("gone", "soon forgotten", 2)
     with Scheduler(VramLedger(1 << 30), n_threads=1, state_dir=state) as sched:
-        assert [a["agent_id"] for a in sched.agents()] == ["gone"]
+        assert [a.agent_id for a in sched.agents()] == ["gone"]
         sched.unregister("gone")
         assert list(state.glob("gone*")) == []
     with Scheduler(VramLedger(1 << 30), n_threads=1, state_dir=state) as sched:

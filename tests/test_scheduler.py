@@ -14,7 +14,8 @@ from kvrt.errors import ModelLoadError
 from kvrt.serve.estimate import EstimateError, ModelShape, context_estimate, parse_vram_table
 from kvrt.serve.ledger import LedgerDenied, VramLedger
 from kvrt.serve.registry import ModelRegistry, RegistryError
-from kvrt.serve.scheduler import AgentExists, Scheduler, UnknownAgent
+from kvrt.serve.results import AgentExists, UnknownAgent
+from kvrt.serve.scheduler import Scheduler
 
 N_CTX = 256
 PROMPTS = ["The fox", " jumps over", " the lazy dog"]
@@ -27,9 +28,16 @@ def budget(path: Path, models: int, contexts: int) -> int:
 
 
 def never_left(path: Path, prompts: list[str], n: int) -> list[list[int]]:
-    """Reference: the same turns in one context that is never swapped (plain kvrt.generate)."""
+    """Reference: the same turns in one context that is never swapped (plain kvrt.generate, each turn
+    feeding the token the previous one sampled last before its prompt)."""
+    out: list[list[int]] = []
     with Model(path) as model, Context(model, n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX, n_threads=1) as ctx:
-        return [generate(ctx, p, GenerationParams(max_tokens=n)).tokens for p in prompts]
+        unfed: list[int] = []
+        for i, prompt in enumerate(prompts):
+            done = generate(ctx, unfed + model.tokenize(prompt, add_special=i == 0), GenerationParams(max_tokens=n))
+            out.append(done.tokens)
+            unfed = done.sampled[-1:]
+    return out
 
 
 def test_swapped_out_and_back_in_generates_the_same_greedy_tokens(tiny_model_path, other_tiny_model_path):
@@ -45,7 +53,7 @@ def test_swapped_out_and_back_in_generates_the_same_greedy_tokens(tiny_model_pat
             other = sched.decode("b", prompt, 8)
             assert other.evicted == ("a",)
         assert restored == [False, True, True]
-        assert sched.metrics("a")["swap_ins"] == 2
+        assert sched.metrics("a").swap_ins == 2
     assert got == never_left(tiny_model_path, PROMPTS, 8)
     assert ledger.allocated_bytes == 0
 
@@ -115,7 +123,7 @@ def test_register_refusals_change_nothing(tiny_model_path, tmp_path):
         with pytest.raises(EstimateError, match="version 0"):
             sched.register("b", broken, N_CTX)
         assert ledger.snapshot() == before
-        assert [a["agent_id"] for a in sched.agents()] == ["a"]
+        assert [a.agent_id for a in sched.agents()] == ["a"]
         with pytest.raises(UnknownAgent):
             sched.submit("nobody", "x", 1)
 
@@ -126,7 +134,7 @@ def test_fork_branches_from_the_sources_document(tiny_model_path):
         sched.register("a", tiny_model_path, N_CTX)
         sched.decode("a", PROMPTS[0], 5)
         info = sched.fork("a", "b")
-        assert info["held_tokens"] > 0
+        assert info.held_tokens > 0
         branch = sched.decode("b", PROMPTS[1], 6)
         assert branch.restored
         original = sched.decode("a", PROMPTS[1], 6)

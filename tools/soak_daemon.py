@@ -45,7 +45,7 @@ GARBAGE = ("FOO bar", "   ", "DECODE", "DECODE x 0 hi", "DECODE x many hi", "REG
 # ERR codes a request may legitimately get while other clients change the same agents; anything else is a failure
 ALLOWED = {
     "register": {"AGENT_EXISTS", "VRAM_LEDGER_DENY"},
-    "decode": {"UNKNOWN_AGENT", "FAILED", "VRAM_LEDGER_DENY"},
+    "decode": {"UNKNOWN_AGENT", "CONTEXT_FULL", "VRAM_LEDGER_DENY"},  # CONTEXT_FULL: its history filled n_ctx
     "fork": {"UNKNOWN_AGENT", "AGENT_EXISTS", "VRAM_LEDGER_DENY"},
     "unregister": {"UNKNOWN_AGENT"},
     "status": set(), "list": set(), "metrics": set(), "help": set(),

@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,9 @@ from kvrt.errors import KvrtError
 from kvrt.modelfiles.testmodels import Shape, ensure_model, write_model
 from kvrt.serve.estimate import DeviceMeter, ModelShape, context_estimate
 from kvrt.serve.ledger import LedgerDenied, NvmlProbe, VramLedger
-from kvrt.serve.scheduler import Scheduler, percentiles
+from kvrt.serve.protocol import error_reply
+from kvrt.serve.results import percentiles
+from kvrt.serve.scheduler import Scheduler
 from kvrt.state.hostpool import HostPool
 from kvrt_bench import _swap
 from kvrt_bench._bounds import DEFAULT_TOLERANCE, Bound, enforce
@@ -56,9 +59,9 @@ from kvrt_bench._stats import check_samples, machine, write_json
 
 HELP = "seed 003: three models with huge contexts, KV swap round trip vs re-prefill, 50 agents time-sliced"
 PARTS = ("coresidence", "swap", "timeslice")
-SMALL = Shape("small bench shape", n_layer=8, n_embd=256, n_head=8, n_head_kv=4, n_ff=512, n_vocab=512,
+SMALL = Shape(label="small bench shape", n_layer=8, n_embd=256, n_head=8, n_head_kv=4, n_ff=512, n_vocab=512,
               n_ctx_train=65536, dtype="f32")
-WIDE_KV = Shape("wide-KV small shape", n_layer=32, n_embd=256, n_head=2, n_head_kv=2, n_ff=512, n_vocab=512,
+WIDE_KV = Shape(label="wide-KV small shape", n_layer=32, n_embd=256, n_head=2, n_head_kv=2, n_ff=512, n_vocab=512,
                 n_ctx_train=131072, dtype="f32")
 """Tiny weights, 7B-like KV bytes per token (32 KiB): a third model whose huge context is huge on an H200 too."""
 MAX_HUGE_CTX = 1 << 21
@@ -141,7 +144,7 @@ def coresidence(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
                 info = sched.register(f"agent{i}", path, n_ctx)
                 steps.append({"step": f"REGISTER agent{i}", "ok": True, **info, "owners": ledger.snapshot().by_owner})
             except LedgerDenied as exc:
-                steps.append({"step": f"REGISTER agent{i}", "ok": False, "reply": exc.reply()})
+                steps.append({"step": f"REGISTER agent{i}", "ok": False, "reply": error_reply(exc)})
             _log(f"  {steps[-1]['step']}: {'OK' if steps[-1]['ok'] else steps[-1]['reply']}")
         too_big = min(MAX_HUGE_CTX, int(1.1 * ledger.max_bytes / shapes[0].kv_bytes_per_token()) // 256 * 256)
         try:
@@ -149,9 +152,9 @@ def coresidence(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
             steps.append({"step": "REGISTER too-big", "ok": True, "n_ctx": too_big})
             sched.unregister("too-big")
         except LedgerDenied as exc:  # the refusal lmxd would send, with its numbers; nothing else changes
-            steps.append({"step": "REGISTER too-big", "ok": False, "n_ctx": too_big, "reply": exc.reply()})
+            steps.append({"step": "REGISTER too-big", "ok": False, "n_ctx": too_big, "reply": error_reply(exc)})
         _log(f"  REGISTER too-big n_ctx={too_big}: {steps[-1].get('reply', 'OK')}")
-        for agent in [a["agent_id"] for a in sched.agents()] * 2:
+        for agent in [a.agent_id for a in sched.agents()] * 2:
             r = sched.decode(agent, "Hello, my name is", 8)
             steps.append({"step": f"DECODE {agent}", "evicted": list(r.evicted), "restored": r.restored,
                           "latency_ms": r.metrics.latency_ms, "owners": ledger.snapshot().by_owner})
@@ -261,8 +264,8 @@ def timeslice(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
                 sched.unregister(agent_id)
             rounds.append({"tokens_per_s": tokens / wall, "back_to_back_tokens_per_s": base_tokens / base_wall,
                            "wall_s": wall, "back_to_back_wall_s": base_wall, "tokens": tokens,
-                           "latency_p50_ms": latency["p50"], "latency_p99_ms": latency["p99"],
-                           "p99_over_p50": latency["p99"] / latency["p50"]})
+                           "latency_p50_ms": latency.p50, "latency_p99_ms": latency.p99,
+                           "p99_over_p50": latency.p99 / latency.p50})
             rounds[-1]["throughput_ratio"] = rounds[-1]["tokens_per_s"] / rounds[-1]["back_to_back_tokens_per_s"]
             _log(f"  round {len(rounds)}: time-sliced {rounds[-1]['tokens_per_s']:.1f} tok/s, back to back "
                  f"{rounds[-1]['back_to_back_tokens_per_s']:.1f} tok/s ({rounds[-1]['throughput_ratio']:.3f}); "
@@ -272,18 +275,18 @@ def timeslice(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
     by_agent: dict[str, list[float]] = {}
     for m in history:
         by_agent.setdefault(m.agent_id, []).append(m.latency_ms)
-    per_agent = {agent_id: percentiles(values) for agent_id, values in by_agent.items()}
+    per_agent = {agent_id: asdict(percentiles(values)) for agent_id, values in by_agent.items()}
     sliced_tps = statistics.median(r["tokens_per_s"] for r in rounds)
     base_tps = statistics.median(r["back_to_back_tokens_per_s"] for r in rounds)
-    lat = overall["latency_ms"]
+    lat = asdict(overall.latency_ms)
     result = {
         "agents": args.agents, "requests_per_agent": args.requests, "gen_tokens": args.gen_tokens,
         "live_contexts": args.live, "budget_bytes": budget, "rounds": rounds,
         "tokens_per_s": sliced_tps, "back_to_back_tokens_per_s": base_tps,
         "throughput_ratio": sliced_tps / base_tps, "latency_ms": lat, "p99_over_p50": lat["p99"] / lat["p50"],
-        "queue_wait_ms": overall["queue_wait_ms"], "swap_in_ms": overall["swap_in_ms"],
-        "swap_outs": overall["swap_outs"], "swap_ins": overall["swap_ins"],
-        "swap_in_bytes": overall["swap_in_bytes"],
+        "queue_wait_ms": asdict(overall.queue_wait_ms), "swap_in_ms": asdict(overall.swap_in_ms),
+        "swap_outs": overall.swap_outs, "swap_ins": overall.swap_ins,
+        "swap_in_bytes": overall.swap_in_bytes,
         "context_creations": sum(1 for m in history if m.context_ms > 0), "per_agent_latency_ms": per_agent,
         "per_agent_p50_spread": max(v["p50"] for v in per_agent.values()) / min(v["p50"] for v in per_agent.values()),
         "requests": [vars(m) for m in history],

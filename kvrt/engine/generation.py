@@ -42,13 +42,22 @@ class GenerationParams:
 
 @dataclass
 class Completion:
-    """What one sequence generated and why it stopped (``eog``, ``length`` or ``stop``)."""
+    """What one sequence generated and why it stopped (``eog``, ``length`` or ``stop``).
+
+    ``eog_token`` is the end-of-generation token that ended it (not part of ``tokens``).
+    """
 
     text: str
     tokens: list[int]
     finish_reason: str
     prompt_tokens: int = 0
     timings_ms: dict[str, float] = field(default_factory=dict)
+    eog_token: int | None = None
+
+    @property
+    def sampled(self) -> list[int]:
+        """Every token the model chose, in order: ``tokens`` and the ``eog_token`` if one ended it."""
+        return self.tokens + ([self.eog_token] if self.eog_token is not None else [])
 
 
 class SequenceStream:
@@ -64,6 +73,7 @@ class SequenceStream:
         self.tokens: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None
+        self.eog_token: int | None = None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     @property
@@ -76,6 +86,7 @@ class SequenceStream:
             raise KvrtError("sequence already finished")
         if self.model.is_eog(token):
             self.finish_reason = "eog"
+            self.eog_token = token
             self.text += self._decoder.decode(b"", final=True)
             return True
         self.tokens.append(token)
@@ -94,7 +105,7 @@ class SequenceStream:
 
     def completion(self, prompt_tokens: int = 0, timings_ms: dict[str, float] | None = None) -> Completion:
         return Completion(self.text, list(self.tokens), self.finish_reason or "length", prompt_tokens,
-                          dict(timings_ms or {}))
+                          dict(timings_ms or {}), self.eog_token)
 
 
 def prefill(
@@ -155,8 +166,10 @@ def generate(
 ) -> Completion:
     """Complete ``prompt`` on ``seq_id``, continuing after whatever the sequence holds.
 
-    The last sampled token is returned but not decoded into the KV cache (nothing needs
-    its logits yet): a caller continuing the conversation feeds it with the next prompt.
+    Invariant: the last token of :attr:`Completion.sampled` is returned but not decoded
+    into the KV cache (nothing needs its logits yet), every earlier one is. A caller
+    continuing the conversation must feed it first with its next prompt, or the sequence
+    stops being the state of its transcript (the scheduler's agents do).
     """
     params = GenerationParams() if params is None else params
     if not isinstance(params, GenerationParams):

@@ -32,10 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvrt.errors import ContextError, KvrtError, ModelLoadError
+from kvrt.errors import KvrtError
 from kvrt.serve.budget import Budget
-from kvrt.serve.estimate import EstimateError
-from kvrt.serve.ledger import LedgerDenied
 from kvrt.serve.protocol import (
     HELP_LINES,
     MAX_LINE,
@@ -43,13 +41,15 @@ from kvrt.serve.protocol import (
     Command,
     ProtocolError,
     error_line,
+    error_reply,
     line_too_long,
     ok_line,
     parse_line,
     reply,
     response_block,
 )
-from kvrt.serve.scheduler import Scheduler, SchedulerError
+from kvrt.serve.results import Percentiles
+from kvrt.serve.scheduler import Scheduler
 
 log = logging.getLogger("kvrt.serve.daemon")
 
@@ -105,19 +105,10 @@ class Handler:
     def execute(self, command: Command) -> list[str]:
         try:
             return getattr(self, f"_{command.verb.lower()}")(*command.args)
-        except LedgerDenied as exc:
-            return [exc.reply()]
-        except (ProtocolError, SchedulerError) as exc:
-            return [error_line(exc.code, str(exc))]
-        except (ModelLoadError, EstimateError) as exc:
-            return [error_line("MODEL_LOAD", str(exc))]
-        except ContextError as exc:
-            return [error_line("CONTEXT", str(exc))]
-        except KvrtError as exc:
-            return [error_line("FAILED", str(exc))]
         except Exception as exc:  # a bug must cost one reply, not the daemon
-            log.exception("internal error on %s", command.verb)
-            return [error_line("INTERNAL", f"{type(exc).__name__}: {exc}")]
+            if not isinstance(exc, KvrtError):
+                log.exception("internal error on %s", command.verb)
+            return [error_reply(exc)]
 
     def _help(self) -> list[str]:
         return [ok_line(schema=SCHEMA), *(f"OK {line}" for line in HELP_LINES)]
@@ -136,8 +127,8 @@ class Handler:
             ok_line(nvml_total_bytes=device.total_bytes if device else None,
                     nvml_used_bytes=device.used_bytes if device else None,
                     drift_bytes=ledger.drift_bytes, reconciliations=ledger.reconciliations),
-            ok_line(agents=len(agents), active=sum(a["state"] == "active" for a in agents),
-                    swapped=sum(a["state"] == "swapped" for a in agents),
+            ok_line(agents=len(agents), active=sum(a.state == "active" for a in agents),
+                    swapped=sum(a.state == "swapped" for a in agents),
                     models=len(self.scheduler.registry.models())),
         ]
         if self.connection_fields is not None:
@@ -163,16 +154,17 @@ class Handler:
     def _list(self) -> list[str]:
         agents = self.scheduler.agents()
         return [ok_line(agents=len(agents)), *(
-            ok_line(agent=a["agent_id"], model=a["model"], n_ctx=a["n_ctx"], state=a["state"],
-                    held_tokens=a["held_tokens"], context_bytes=a["context_bytes"], queued=a["queued"],
-                    requests=a["requests"])
+            ok_line(agent=a.agent_id, model=a.model, n_ctx=a.n_ctx, state=a.state, held_tokens=a.held_tokens,
+                    context_bytes=a.context_bytes, queued=a.queued, requests=a.requests, policy=a.policy,
+                    max_ctx=a.max_ctx)
             for a in agents)]
 
-    def _register(self, agent_id: str, model_path: str, n_ctx: int) -> list[str]:
-        info = self.scheduler.register(agent_id, model_path, n_ctx)
-        return [ok_line("registered", agent=agent_id, model=info["model"], n_ctx=n_ctx,
-                        weights_bytes=info["weights_bytes"], context_bytes=info["context_bytes"],
-                        estimate=info["estimate"])]
+    def _register(self, agent_id: str, model_path: str, n_ctx: int, policy: str, min_ctx: int | None,
+                  keep: int | None) -> list[str]:
+        info = self.scheduler.register(agent_id, model_path, n_ctx, policy=policy, min_ctx=min_ctx, keep=keep)
+        return [ok_line("registered", agent=agent_id, model=info.model, n_ctx=info.n_ctx,
+                        weights_bytes=info.weights_bytes, context_bytes=info.context_bytes,
+                        estimate=info.estimate, policy=info.policy, max_ctx=info.max_ctx)]
 
     def _unregister(self, agent_id: str) -> list[str]:
         self.scheduler.unregister(agent_id)
@@ -195,15 +187,17 @@ class Handler:
 
     def _metrics(self, agent_id: str | None = None) -> list[str]:
         stats = self.scheduler.metrics(agent_id)
-        fields: dict[str, Any] = {k: v for k, v in stats.items() if not isinstance(v, dict)}
-        for name in ("latency_ms", "queue_wait_ms", "swap_in_ms", "decode_ms"):
-            for pct, value in stats[name].items():
-                fields[f"{name[:-3]}_{pct}_ms"] = value
+        fields: dict[str, Any] = {}
+        for name, value in vars(stats).items():
+            if isinstance(value, Percentiles):
+                fields.update({f"{name[:-3]}_{pct}_ms": v for pct, v in vars(value).items()})
+            else:
+                fields[name] = value
         return [ok_line(agent=agent_id or "all", **fields)]
 
     def _fork(self, source_id: str, agent_id: str) -> list[str]:
         info = self.scheduler.fork(source_id, agent_id)
-        return [ok_line("forked", agent=agent_id, source=source_id, held_tokens=info["held_tokens"])]
+        return [ok_line("forked", agent=agent_id, source=source_id, held_tokens=info.held_tokens)]
 
     def _quit(self) -> list[str]:
         return [ok_line("bye")]

@@ -65,12 +65,6 @@ class LedgerDenied(KvrtError):
             + f" of max {max_bytes} B leaves {max(free, 0)} B"
         )
 
-    def reply(self) -> str:
-        """The seed's protocol line (extra ``external_bytes`` field only when non-zero)."""
-        line = (f"ERR VRAM_LEDGER_DENY code={self.code} ledger_max_bytes={self.max_bytes} "
-                f"ledger_allocated_bytes={self.allocated_bytes} request_table_bytes={self.request_bytes}")
-        return line + (f" external_bytes={self.external_bytes}" if self.external_bytes else "")
-
 
 class Reservation:
     """A read-only receipt for bytes held by one owner; hand it back to :meth:`VramLedger.release` once.

@@ -13,7 +13,8 @@ the line ``END``. In a DECODE prompt ``\\n`` stands for a newline and ``\\\\`` f
 backslash, so multi-line prompts fit on one request line.
 
 Every malformed input becomes a :class:`ProtocolError`, whose :meth:`~ProtocolError.reply`
-is an ``ERR`` line; parsing never raises anything else.
+is an ``ERR`` line; parsing never raises anything else. :func:`error_reply` is the one
+mapping from any exception a command raised to its ``ERR`` line.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvrt.errors import KvrtError
+from kvrt.errors import ContextError, KvrtError, ModelLoadError
+from kvrt.serve.estimate import EstimateError
+from kvrt.serve.ledger import LedgerDenied
+from kvrt.serve.results import SchedulerError
 
 SCHEMA = "kvrt-daemon/1"
 MAX_LINE = 1 << 20  # bytes of one request line, its newline included
@@ -37,7 +41,9 @@ HELP_LINES = (
     "HELP                                   this text",
     "STATUS                                 ledger (re-read from the device), models, agents",
     "LIST                                   one line per agent",
-    "REGISTER <agent_id> <model_path> [n_ctx]  admit an agent (n_ctx default 4096)",
+    "REGISTER <agent_id> <model_path> [n_ctx] [policy=refuse|shift|grow] [min_ctx=N] [keep=N]",
+    "                                       admit an agent (n_ctx default 4096; at its limit a turn is refused,",
+    "                                       or its oldest tokens after keep are dropped, or it grows from min_ctx)",
     "UNREGISTER <agent_id>                  remove an agent, free its memory",
     "DECODE <agent_id> <n_tokens> <prompt…>  append the prompt, generate up to n_tokens",
     "METRICS [agent_id]                     request count and p50/p95/p99 latency",
@@ -66,7 +72,7 @@ class Command:
 # verb -> (minimum, maximum) number of whitespace-separated arguments (DECODE: see below)
 _ARITY: dict[str, tuple[int, int]] = {
     "HELP": (0, 0), "STATUS": (0, 0), "LIST": (0, 0), "QUIT": (0, 0),
-    "REGISTER": (2, 3), "UNREGISTER": (1, 1), "METRICS": (0, 1), "FORK": (2, 2),
+    "REGISTER": (2, 6), "UNREGISTER": (1, 1), "METRICS": (0, 1), "FORK": (2, 2),
 }
 
 
@@ -136,9 +142,35 @@ def parse_line(raw: bytes) -> Command:
         want = str(low) if low == high else f"{low} to {high}"
         raise ProtocolError("BAD_ARGS", f"{verb} takes {want} argument(s), got {len(args)}")
     if verb == "REGISTER":
-        n_ctx = _number(args[2], "n_ctx", 1, MAX_CTX) if len(args) == 3 else 4096
-        return Command(verb, (args[0], args[1], n_ctx))
+        return _parse_register(args)
     return Command(verb, tuple(args))
+
+
+_REGISTER_OPTIONS = ("policy", "min_ctx", "keep")
+POLICIES = ("refuse", "shift", "grow")
+
+
+def _parse_register(args: list[str]) -> Command:
+    """``<agent_id> <model_path> [n_ctx] [key=value…]`` as (agent_id, model_path, n_ctx, policy, min_ctx, keep)."""
+    rest = args[2:]
+    n_ctx = 4096
+    if rest and "=" not in rest[0]:
+        n_ctx = _number(rest.pop(0), "n_ctx", 1, MAX_CTX)
+    options: dict[str, str] = {}
+    for word in rest:
+        key, eq, value = word.partition("=")
+        if not eq or key not in _REGISTER_OPTIONS:
+            raise ProtocolError("BAD_ARGS", f"REGISTER option {word[:40]!r} is not one of "
+                                            f"{', '.join(k + '=' for k in _REGISTER_OPTIONS)}")
+        if key in options:
+            raise ProtocolError("BAD_ARGS", f"REGISTER option {key}= given twice")
+        options[key] = value
+    policy = options.get("policy", "refuse")
+    if policy not in POLICIES:
+        raise ProtocolError("BAD_ARGS", f"policy must be one of {', '.join(POLICIES)}, got {policy[:40]!r}")
+    min_ctx = _number(options["min_ctx"], "min_ctx", 1, MAX_CTX) if "min_ctx" in options else None
+    keep = _number(options["keep"], "keep", 0, MAX_CTX) if "keep" in options else None
+    return Command("REGISTER", (args[0], args[1], n_ctx, policy, min_ctx, keep))
 
 
 def _parse_decode(rest: str) -> Command:
@@ -165,6 +197,27 @@ def ok_line(*words: str, **fields: Any) -> str:
 
 def error_line(code: str, message: str) -> str:
     return f"ERR {code} " + " ".join(message.split())
+
+
+def error_reply(exc: BaseException) -> str:
+    """The ``ERR`` line for ``exc``, whatever layer raised it (the daemon's one exception mapping).
+
+    A ledger refusal keeps the seed's line (``external_bytes`` added only when non-zero);
+    anything that is not a :class:`KvrtError` is a bug and answers ``ERR INTERNAL``.
+    """
+    if isinstance(exc, LedgerDenied):
+        line = (f"ERR VRAM_LEDGER_DENY code={exc.code} ledger_max_bytes={exc.max_bytes} "
+                f"ledger_allocated_bytes={exc.allocated_bytes} request_table_bytes={exc.request_bytes}")
+        return line + (f" external_bytes={exc.external_bytes}" if exc.external_bytes else "")
+    if isinstance(exc, (ProtocolError, SchedulerError)):
+        return error_line(exc.code, str(exc))
+    if isinstance(exc, (ModelLoadError, EstimateError)):
+        return error_line("MODEL_LOAD", str(exc))
+    if isinstance(exc, ContextError):
+        return error_line("CONTEXT", str(exc))
+    if isinstance(exc, KvrtError):
+        return error_line("FAILED", str(exc))
+    return error_line("INTERNAL", f"{type(exc).__name__}: {exc}")
 
 
 def reply(*lines: str) -> bytes:

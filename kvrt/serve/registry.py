@@ -49,11 +49,14 @@ class ModelRegistry:
 
     ``table`` is lmxd's ``model_vram`` table (:func:`kvrt.serve.estimate.parse_vram_table`):
     an entry for a model's path (or file name) replaces the derived weight estimate.
+    ``use_extra_bufts`` is passed to every :class:`Model` (``None``: the machine's verdict).
     """
 
-    def __init__(self, ledger: VramLedger, *, n_gpu_layers: int = -1, table: dict[str, int] | None = None) -> None:
+    def __init__(self, ledger: VramLedger, *, n_gpu_layers: int = -1, table: dict[str, int] | None = None,
+                 use_extra_bufts: bool | None = None) -> None:
         self.ledger = ledger
         self.n_gpu_layers = n_gpu_layers
+        self.use_extra_bufts = use_extra_bufts
         self.table = dict(table or {})
         self._models: dict[Path, LoadedModel] = {}
         self._lock = threading.RLock()
@@ -99,7 +102,7 @@ class ModelRegistry:
             reservation = self.ledger.try_reserve(estimate, f"model:{resolved.name}")
             try:
                 meter = DeviceMeter()
-                model = Model(resolved, n_gpu_layers=self.n_gpu_layers)
+                model = Model(resolved, n_gpu_layers=self.n_gpu_layers, use_extra_bufts=self.use_extra_bufts)
             except BaseException:
                 self.ledger.release(reservation)
                 raise

@@ -1,34 +1,26 @@
 """Agents time-sliced on one device: per-agent queues, a bounded set of live contexts, KV swap.
 
-lmxd keeps one live context and swaps on every agent switch. kvrt keeps as many live
-contexts as the ledger admits; only when an agent must run and its context does not fit
-is the least-recently-used idle agent swapped out: its sequence state is captured into
-the (pinned) host pool with :class:`kvrt.state.snapshot.Snapshot`, its context freed or,
+kvrt keeps as many live agent contexts (:class:`kvrt.serve.agent.Agent`) as the ledger
+admits; only when an agent must run and its context does not fit is the
+least-recently-used idle agent swapped out: its sequence state is captured into the
+(pinned) host pool with :class:`kvrt.state.snapshot.Snapshot`, its context freed or,
 when the incoming agent has the same model and size, handed over as it is (creating a
-context costs tens of ms on a GPU, about as much as the restore). The state is
-restored, bit for bit, the next time the agent runs.
+context costs about as much as the restore). The state is restored, bit for bit, the
+next time the agent runs; its history stays exactly its transcript (see
+:mod:`kvrt.serve.agent`), and its context policy decides what happens at its limit.
 
 Fairness: **least attained service by tokens** (start-time fair queueing at request
 granularity). The next request comes from the backlogged agent that has been served the
 fewest tokens (prompt + generated); an agent that was idle re-enters at the current
 minimum, so idling banks no credit. Among equals, an agent whose context is live goes
-first (a free hit instead of a swap), then the least recently run. Why this and not plain round-robin: an agent with
-long requests cannot take more than its share of tokens, and an agent with short
-requests is never stuck behind it; why requests are not cut into slices: a request
-once started runs to completion, so time-slicing never forces a swap in the middle of a
-generation, which on a full device would turn every slice into a swap-out/swap-in pair.
-No agent starves: every service raises the served count of the agent that got it, so
-any backlogged agent becomes the minimum after finitely many others' requests.
+first (a free hit instead of a swap), then the least recently run. A request once
+started runs to completion, so time-slicing never forces a swap in the middle of a
+generation. No agent starves: every service raises the served count of the agent that
+got it.
 
-Every llama.cpp call happens on the scheduler's one worker thread (the device runs one
-decode at a time anyway); other threads only enqueue and wait on futures.
-
-With a ``state_dir`` (:mod:`kvrt.state.agentstore`) agents outlive the process: an agent's state
-is saved when it is swapped out and, for every agent, when the scheduler closes; a new
-scheduler on the same directory brings them back swapped out, and their next request
-continues from the saved KV exactly as if the process had never stopped. A saved agent
-that cannot be restored (damaged file, changed model, no room) is skipped and listed in
-:attr:`Scheduler.state_problems`.
+Every llama.cpp call happens on the scheduler's one worker thread; other threads only
+enqueue and wait on futures. With a ``state_dir`` (:mod:`kvrt.serve.statedir`) agents
+outlive the process.
 """
 
 from __future__ import annotations
@@ -40,116 +32,40 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import numpy as np
-
+from kvrt.checks import prompt_tokens
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import GenerationParams, generate
 from kvrt.engine.sampling import SamplingParams
-from kvrt.errors import KvrtError
+from kvrt.serve.agent import Agent, ContextPolicy
 from kvrt.serve.estimate import DeviceMeter, context_estimate
-from kvrt.serve.ledger import LedgerDenied, Reservation, VramLedger
-from kvrt.serve.registry import LoadedModel, ModelRegistry
-from kvrt.state.agentstore import AgentRecord, AgentStore, StateFileError, StateProblem
+from kvrt.serve.ledger import LedgerDenied, VramLedger
+from kvrt.serve.registry import ModelRegistry
+from kvrt.serve.results import (AgentExists, AgentInfo, DecodeResult, Forked, InvalidArgument, MetricsSummary,
+                                Registered, RequestMetrics, SchedulerClosed, SchedulerError, UnknownAgent,
+                                check_agent_id)
+from kvrt.serve.statedir import persist, restore_all
+from kvrt.state.agentstore import AgentStore, StateProblem
 from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import Snapshot
 
 T = TypeVar("T")
 log = logging.getLogger("kvrt.serve.scheduler")
-AGENT_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-:@")
-MAX_AGENT_ID = 64
 HISTORY = 100_000  # request metrics kept per scheduler for percentiles
 
 
-class SchedulerError(KvrtError):
-    """A scheduler request was refused; ``code`` is its protocol error code."""
-
-    code = "SCHEDULER"
-
-
-class UnknownAgent(SchedulerError):
-    code = "UNKNOWN_AGENT"
-
-
-class AgentExists(SchedulerError):
-    code = "AGENT_EXISTS"
-
-
-class SchedulerClosed(SchedulerError):
-    code = "SHUTTING_DOWN"
-
-
-class InvalidArgument(SchedulerError):
-    code = "BAD_ARGS"
-
-
-def check_agent_id(agent_id: str) -> str:
-    if not isinstance(agent_id, str) or not 0 < len(agent_id) <= MAX_AGENT_ID or not set(agent_id) <= AGENT_ID_CHARS:
-        raise InvalidArgument(f"agent id must be 1..{MAX_AGENT_ID} characters of [A-Za-z0-9_.:@-], got {agent_id!r}")
-    return agent_id
-
-
-@dataclass(frozen=True)
-class RequestMetrics:
-    """What one request cost, by phase (milliseconds and bytes)."""
-
-    agent_id: str
-    queue_wait_ms: float
-    swap_out_bytes: int
-    swap_out_ms: float
-    swap_in_bytes: int
-    swap_in_ms: float
-    context_ms: float
-    decode_ms: float
-    latency_ms: float
-    prompt_tokens: int
-    generated_tokens: int
-
-
-@dataclass(frozen=True)
-class DecodeResult:
-    """A finished request: its text and what switching to its agent cost."""
-
-    agent_id: str
-    text: str
-    tokens: list[int]
-    finish_reason: str
-    evicted: tuple[str, ...]
-    restored: bool
-    metrics: RequestMetrics
-
-
 @dataclass
-class _Request:
-    prompt: str
+class Turn:
+    """A queued request of one agent: its prompt (text or token ids) and when to stop."""
+
+    prompt: str | Sequence[int]
     params: GenerationParams
     future: Future[DecodeResult]
     submitted: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class _Agent:
-    agent_id: str
-    entry: LoadedModel
-    n_ctx: int
-    context_bytes: int
-    queue: deque[_Request] = field(default_factory=deque)
-    context: Context | None = None
-    reservation: Reservation | None = None
-    snapshot: Snapshot | None = None
-    served_tokens: int = 0
-    held_tokens: int = 0  # tokens of its document (updated on the worker; readable from any thread)
-    last_used: int = 0
-    requests: int = 0
-    persisted: bool = False  # the state dir holds its current state
-
-    @property
-    def state(self) -> str:
-        return "active" if self.context is not None else "swapped" if self.snapshot is not None else "cold"
 
 
 @dataclass
@@ -165,33 +81,27 @@ class _Switch:
     context_ms: float = 0.0
 
 
-def percentiles(values: list[float]) -> dict[str, float]:
-    """p50/p95/p99 (linear interpolation), or NaN-free zeros for no data."""
-    if not values:
-        return {"p50": 0.0, "p95": 0.0, "p99": 0.0}
-    p50, p95, p99 = np.percentile(np.asarray(values, dtype=np.float64), [50, 95, 99])
-    return {"p50": float(p50), "p95": float(p95), "p99": float(p99)}
-
-
 class Scheduler:
     """Register agents on models, queue their requests, run them fairly on one device.
 
     ``ledger`` admits weights and contexts; ``registry`` shares models (one is made on
-    ``ledger`` when not given). ``n_threads`` is passed to every context; ``pool`` is
-    the host pool that swapped-out states live in. ``state_dir`` keeps agents across
-    restarts: the agents saved there are restored before the constructor returns.
+    ``ledger`` when not given). ``n_threads`` and ``flash_attn`` are passed to every
+    context; ``pool`` is the host pool that swapped-out states live in. ``state_dir``
+    keeps agents across restarts: those saved there are restored before the constructor
+    returns.
     """
 
     def __init__(self, ledger: VramLedger, registry: ModelRegistry | None = None, *, n_ubatch: int = 512,
-                 n_threads: int | None = None, pool: HostPool | None = None,
+                 n_threads: int | None = None, flash_attn: str = "auto", pool: HostPool | None = None,
                  state_dir: str | os.PathLike[str] | None = None) -> None:
         self.ledger = ledger
         self.registry = registry or ModelRegistry(ledger)
         self._owns_registry = registry is None
         self.n_ubatch = n_ubatch
         self.n_threads = n_threads
+        self.flash_attn = flash_attn
         self.pool = pool
-        self._agents: dict[str, _Agent] = {}
+        self._agents: dict[str, Agent] = {}
         self._control: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._cond = threading.Condition()
         self._clock = itertools.count(1)
@@ -204,76 +114,68 @@ class Scheduler:
         self._worker = threading.Thread(target=self._run, name="kvrt-scheduler", daemon=True)
         self._worker.start()
         if self.store is not None:
-            self._call(self._restore_all)
+            self._call(lambda: restore_all(self))
 
     # -- public API (any thread) --------------------------------------------------------
-    def register(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int = 4096) -> dict[str, Any]:
-        """Admit an agent on ``model_path`` with a context of ``n_ctx`` cells.
+    def register(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int = 4096, *,
+                 policy: str = "refuse", min_ctx: int | None = None, keep: int | None = None) -> Registered:
+        """Admit an agent on ``model_path`` whose history may hold ``n_ctx`` cells, under ``policy``.
 
-        Refused with :class:`kvrt.serve.ledger.LedgerDenied` when the model's weights plus this
-        one context cannot fit even with every other agent swapped out.
+        ``policy`` is ``refuse``, ``shift`` (with ``keep``) or ``grow`` (from ``min_ctx``);
+        see :class:`kvrt.serve.agent.ContextPolicy`. Refused with
+        :class:`kvrt.serve.ledger.LedgerDenied` when the model's weights plus its first
+        context cannot fit even with every other agent swapped out.
         """
         check_agent_id(agent_id)
-        if isinstance(n_ctx, bool) or not isinstance(n_ctx, int) or n_ctx <= 0:
-            raise InvalidArgument(f"n_ctx must be a positive integer, got {n_ctx!r}")
-        return self._call(lambda: self._register(agent_id, model_path, n_ctx))
+        rules = ContextPolicy(policy, n_ctx, min_ctx, keep)
+        return self._call(lambda: self._register(agent_id, model_path, rules))
 
     def unregister(self, agent_id: str) -> None:
         """Remove an agent: queued requests fail, its context, state and model reference go."""
         self._call(lambda: self._unregister(agent_id))
 
-    def fork(self, source_id: str, agent_id: str) -> dict[str, Any]:
-        """A new agent that starts from a copy of ``source_id``'s document (same model and size)."""
+    def fork(self, source_id: str, agent_id: str) -> Forked:
+        """A new agent that starts from a copy of ``source_id``'s history (same model, size and policy)."""
         check_agent_id(agent_id)
         return self._call(lambda: self._fork(source_id, agent_id))
 
-    def submit(self, agent_id: str, prompt: str, n_tokens: int, *,
-               sampling: SamplingParams | None = None) -> Future[DecodeResult]:
-        """Queue ``prompt`` (appended to the agent's document) and ``n_tokens`` of generation."""
-        params = GenerationParams(max_tokens=n_tokens, sampling=sampling or SamplingParams())
-        request = _Request(prompt, params, Future())
+    def submit(self, agent_id: str, prompt: str | Sequence[int], n_tokens: int, *,
+               sampling: SamplingParams | None = None, stop: Sequence[str] = ()) -> Future[DecodeResult]:
+        """Queue ``prompt`` (appended to the agent's history) and up to ``n_tokens`` of generation."""
+        params = GenerationParams(max_tokens=n_tokens, stop=tuple(stop), sampling=sampling or SamplingParams())
+        turn = Turn(prompt, params, Future())
         with self._cond:
             if self._closing:
                 raise SchedulerClosed("the scheduler is shutting down")
-            agent = self._agents.get(agent_id)
-            if agent is None:
-                raise UnknownAgent(f"no agent {agent_id!r} is registered")
+            agent = self._agent(agent_id)
             if not agent.queue:
                 backlogged = [a.served_tokens for a in self._agents.values() if a.queue]
                 agent.served_tokens = max(agent.served_tokens, min(backlogged, default=agent.served_tokens))
-            agent.queue.append(request)
+            agent.queue.append(turn)
             self._cond.notify()
-        return request.future
+        return turn.future
 
-    def decode(self, agent_id: str, prompt: str, n_tokens: int, *,
-               sampling: SamplingParams | None = None) -> DecodeResult:
-        return self.submit(agent_id, prompt, n_tokens, sampling=sampling).result()
+    def decode(self, agent_id: str, prompt: str | Sequence[int], n_tokens: int, *,
+               sampling: SamplingParams | None = None, stop: Sequence[str] = ()) -> DecodeResult:
+        return self.submit(agent_id, prompt, n_tokens, sampling=sampling, stop=stop).result()
 
-    def agents(self) -> list[dict[str, Any]]:
+    def transcript(self, agent_id: str) -> list[int]:
+        """Every token of the agent's history, in order (what a recompute of it would prefill)."""
+        return self._call(lambda: list(self._agent(agent_id).transcript))
+
+    def agents(self) -> list[AgentInfo]:
         with self._cond:
-            return [{"agent_id": a.agent_id, "model": a.entry.path.name, "n_ctx": a.n_ctx, "state": a.state,
-                     "context_bytes": a.context_bytes, "queued": len(a.queue), "requests": a.requests,
-                     "served_tokens": a.served_tokens, "held_tokens": a.held_tokens}
+            return [AgentInfo(a.agent_id, a.entry.path.name, a.n_ctx, a.policy.n_ctx, a.policy.mode, a.state,
+                              a.context_bytes, len(a.queue), a.requests, a.served_tokens, a.held_tokens)
                     for a in self._agents.values()]
 
-    def metrics(self, agent_id: str | None = None) -> dict[str, Any]:
+    def metrics(self, agent_id: str | None = None) -> MetricsSummary:
         """Request count, tokens, swap totals and latency/queue-wait percentiles (ms)."""
         with self._cond:
-            if agent_id is not None and agent_id not in self._agents:
-                raise UnknownAgent(f"no agent {agent_id!r} is registered")
+            if agent_id is not None:
+                self._agent(agent_id)
             rows = [m for m in self._history if agent_id is None or m.agent_id == agent_id]
-        return {
-            "requests": len(rows),
-            "generated_tokens": sum(m.generated_tokens for m in rows),
-            "swap_outs": sum(1 for m in rows if m.swap_out_bytes),
-            "swap_ins": sum(1 for m in rows if m.swap_in_bytes),
-            "swap_out_bytes": sum(m.swap_out_bytes for m in rows),
-            "swap_in_bytes": sum(m.swap_in_bytes for m in rows),
-            "latency_ms": percentiles([m.latency_ms for m in rows]),
-            "queue_wait_ms": percentiles([m.queue_wait_ms for m in rows]),
-            "swap_in_ms": percentiles([m.swap_in_ms for m in rows if m.swap_in_bytes]),
-            "decode_ms": percentiles([m.decode_ms for m in rows]),
-        }
+        return MetricsSummary.of(rows)
 
     def history(self) -> list[RequestMetrics]:
         with self._cond:
@@ -300,7 +202,7 @@ class Scheduler:
             return False
         self._worker.join()  # idle and told to close: it returns at once
         for agent in self._agents.values():
-            self._persist(agent)
+            persist(self, agent)
         for agent in list(self._agents.values()):
             self._teardown(agent, SchedulerClosed("the scheduler shut down before this request ran"))
         self._agents.clear()
@@ -309,6 +211,12 @@ class Scheduler:
         if self._owns_registry:
             self.registry.close()
         return True
+
+    def _agent(self, agent_id: str) -> Agent:
+        agent = self._agents.get(agent_id)
+        if agent is None:
+            raise UnknownAgent(f"no agent {agent_id!r} is registered")
+        return agent
 
     def _fail_queued(self) -> None:
         """Refuse every call and request not yet started (safe while the worker runs: it pops under the lock)."""
@@ -351,8 +259,7 @@ class Scheduler:
                 else:
                     agent = min((a for a in self._agents.values() if a.queue),
                                 key=lambda a: (a.served_tokens, a.context is None, a.last_used))
-                    request = agent.queue.popleft()
-                    job = functools.partial(self._serve, agent, request)
+                    job = functools.partial(self._serve, agent, agent.queue.popleft())
                 self._busy = True
             try:
                 job()
@@ -363,41 +270,82 @@ class Scheduler:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _serve(self, agent: _Agent, request: _Request) -> None:
-        if not request.future.set_running_or_notify_cancel():
+    def _serve(self, agent: Agent, turn: Turn) -> None:
+        """One turn: make room under the agent's policy, feed what its KV lacks plus the prompt, generate."""
+        if not turn.future.set_running_or_notify_cancel():
             return
         started = time.perf_counter()
         switch = _Switch()
+        shifted = 0
         try:
-            self._activate(agent, switch)
+            prompt = prompt_tokens(agent.entry.model, turn.prompt, "prompt", add_special=not agent.transcript,
+                                   error=InvalidArgument)
+            agent.resolve_keep(len(prompt))
+            plan = agent.plan(len(prompt), turn.params.max_tokens)
+            self._prepare(agent, plan.size, switch)
             assert agent.context is not None
-            completion = generate(agent.context, request.prompt, request.params)
+            if plan.drop:
+                agent.shift(plan)
+                shifted = plan.drop
+            start = agent.kv_tokens
+            began = time.perf_counter()
+            try:
+                completion = generate(agent.context, agent.transcript[start:] + prompt, turn.params)
+            except BaseException:
+                agent.context.seq_rm(0, start, -1)  # back to the turn's start: the history is unchanged
+                raise
         except BaseException as exc:
-            request.future.set_exception(exc)
+            turn.future.set_exception(exc)
             return
         finally:
             agent.last_used = next(self._clock)
-            if agent.context is not None:
-                agent.held_tokens = agent.context.seq_len(0)
+        agent.persisted = False
+        agent.transcript += prompt + completion.sampled
+        agent.kv_tokens = len(agent.transcript) - 1  # generate leaves the last sampled token undecoded
+        agent.check()
         done = time.perf_counter()
+        timings = completion.timings_ms
         metrics = RequestMetrics(
-            agent_id=agent.agent_id, queue_wait_ms=(started - request.submitted) * 1e3,
+            agent_id=agent.agent_id, queue_wait_ms=(started - turn.submitted) * 1e3,
             swap_out_bytes=switch.out_bytes, swap_out_ms=switch.out_ms, swap_in_bytes=switch.in_bytes,
             swap_in_ms=switch.in_ms, context_ms=switch.context_ms,
-            decode_ms=completion.timings_ms.get("prefill_ms", 0.0) + completion.timings_ms.get("decode_ms", 0.0),
-            latency_ms=(done - request.submitted) * 1e3, prompt_tokens=completion.prompt_tokens,
-            generated_tokens=len(completion.tokens))
+            decode_ms=timings.get("prefill_ms", 0.0) + timings.get("decode_ms", 0.0),
+            latency_ms=(done - turn.submitted) * 1e3, prompt_tokens=len(prompt),
+            generated_tokens=len(completion.tokens), shifted_tokens=shifted,
+            first_token_ms=(began - turn.submitted) * 1e3 + timings.get("first_token_ms", 0.0))
         with self._cond:
-            agent.served_tokens += completion.prompt_tokens + len(completion.tokens)
+            agent.served_tokens += len(prompt) + len(completion.tokens)
             agent.requests += 1
             self._history.append(metrics)
-        request.future.set_result(DecodeResult(agent.agent_id, completion.text, completion.tokens,
-                                               completion.finish_reason, tuple(switch.evicted), switch.restored,
-                                               metrics))
+        turn.future.set_result(DecodeResult(agent.agent_id, completion.text, completion.tokens,
+                                            completion.finish_reason, tuple(switch.evicted), switch.restored,
+                                            metrics))
 
-    # -- activation and swap ----------------------------------------------------------------
-    def _activate(self, agent: _Agent, switch: _Switch) -> None:
-        """Give ``agent`` a live context holding its document, evicting LRU agents as needed."""
+    # -- activation, growth and swap ----------------------------------------------------------
+    def _prepare(self, agent: Agent, size: int, switch: _Switch) -> None:
+        """Make ``agent`` live in a context of at least ``size`` cells (growing moves its state; a
+        refused growth leaves it swapped out at its old size, its state kept)."""
+        if agent.context is not None and agent.n_ctx >= size:
+            return
+        if agent.context is not None:  # grow: move the state out, then into a larger context
+            self._swap_out(agent, switch, record=False)
+            self._free_context(agent)
+        old = agent.n_ctx, agent.context_bytes
+        if size != agent.n_ctx:
+            agent.n_ctx, agent.context_bytes = size, self._estimate(agent, size)
+        try:
+            self._activate(agent, switch)
+        except BaseException:
+            if agent.context is None:
+                agent.n_ctx, agent.context_bytes = old
+            raise
+        agent.check()
+
+    def _estimate(self, agent: Agent, n_ctx: int) -> int:
+        return context_estimate(agent.entry.shape, n_ctx, self.n_ubatch).total_bytes
+
+    def _activate(self, agent: Agent, switch: _Switch) -> None:
+        """Give ``agent`` a live context holding its history, evicting LRU agents as needed."""
         if agent.context is not None:
             return
         agent.persisted = False  # it is about to change: the saved state stops being current
@@ -432,17 +380,17 @@ class Scheduler:
             try:
                 agent.snapshot.restore(agent.context, 0)
             except BaseException:
-                self._free_context(agent)  # the document stays in the snapshot for the next attempt
+                self._free_context(agent)  # the history stays in the snapshot for the next attempt
                 raise
-            switch.in_ms = (time.perf_counter() - t0) * 1e3
-            switch.in_bytes = agent.snapshot.nbytes
+            switch.in_ms += (time.perf_counter() - t0) * 1e3
+            switch.in_bytes += agent.snapshot.nbytes
             switch.restored = True
             agent.snapshot.release()
             agent.snapshot = None
         else:
             agent.context.clear()
 
-    def _correct(self, agent: _Agent, measured: int | None) -> None:
+    def _correct(self, agent: Agent, measured: int | None) -> None:
         """Replace the derived context estimate with what creating it took, where measurable."""
         if measured is None or agent.reservation is None:
             return
@@ -454,35 +402,35 @@ class Scheduler:
 
     def _params(self, n_ctx: int) -> ContextParams:
         batch = min(self.n_ubatch, n_ctx)
-        return ContextParams(n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, n_threads=self.n_threads)
+        return ContextParams(n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, n_threads=self.n_threads,
+                             flash_attn=self.flash_attn)
 
     @staticmethod
-    def _compatible(victim: _Agent, agent: _Agent) -> bool:
+    def _compatible(victim: Agent, agent: Agent) -> bool:
         return victim.context is not None and victim.entry is agent.entry and victim.n_ctx == agent.n_ctx
 
-    def _lru_victim(self, agent: _Agent) -> _Agent | None:
-        """The least recently used live agent, preferring one whose context ``agent`` can take over.
-
-        Preferring a compatible victim turns a switch into capture + restore in a kept
-        context instead of free + create (tens of ms on a GPU, more than the restore).
-        """
+    def _lru_victim(self, agent: Agent) -> Agent | None:
+        """The least recently used live agent, preferring one whose context ``agent`` can take over."""
         live = [a for a in self._agents.values() if a.context is not None and a is not agent]
         compatible = [a for a in live if self._compatible(a, agent)]
         return min(compatible or live, key=lambda a: a.last_used, default=None)
 
-    def _swap_out(self, victim: _Agent, switch: _Switch) -> None:
-        """Capture the victim's document into the host pool and empty its sequence."""
+    def _swap_out(self, victim: Agent, switch: _Switch, *, record: bool = True) -> None:
+        """Capture the victim's KV into the host pool and empty its sequence."""
         assert victim.context is not None
-        if victim.context.seq_len(0) > 0:
+        victim.check()
+        if victim.kv_tokens > 0:
             t0 = time.perf_counter()
-            victim.snapshot = Snapshot.capture(victim.context, 0, tier="host", pool=self.pool)
+            victim.snapshot = Snapshot.capture(victim.context, 0, tier="host", pool=self.pool,
+                                               tokens=victim.transcript[:victim.kv_tokens])
             switch.out_ms += (time.perf_counter() - t0) * 1e3
             switch.out_bytes += victim.snapshot.nbytes
             victim.context.clear()
-        self._persist(victim)
-        switch.evicted.append(victim.agent_id)
+        if record:
+            persist(self, victim)
+            switch.evicted.append(victim.agent_id)
 
-    def _free_context(self, agent: _Agent) -> None:
+    def _free_context(self, agent: Agent) -> None:
         if agent.context is not None:
             agent.context.close()
             agent.context = None
@@ -491,22 +439,22 @@ class Scheduler:
             agent.reservation = None
 
     # -- control operations (worker thread) ------------------------------------------------
-    def _register(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int) -> dict[str, Any]:
-        agent = self._admit(agent_id, model_path, n_ctx)
+    def _register(self, agent_id: str, model_path: str | os.PathLike[str], policy: ContextPolicy) -> Registered:
+        agent = self.admit(agent_id, model_path, policy, policy.first_ctx)
         with self._cond:
             self._agents[agent_id] = agent
         entry = agent.entry
-        return {"agent": agent_id, "model": entry.path.name, "n_ctx": n_ctx, "weights_bytes": entry.reservation.nbytes,
-                "context_bytes": agent.context_bytes, "estimate": entry.estimate_source}
+        return Registered(agent_id, entry.path.name, agent.n_ctx, policy.n_ctx, policy.mode,
+                          entry.reservation.nbytes, agent.context_bytes, entry.estimate_source)
 
-    def _admit(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int) -> _Agent:
-        """A new agent holding a reference to its (loaded) model, once it is known it can ever run."""
+    def admit(self, agent_id: str, model_path: str | os.PathLike[str], policy: ContextPolicy, n_ctx: int) -> Agent:
+        """A new agent holding a reference to its (loaded) model, once it is known it can ever run (worker only)."""
         if agent_id in self._agents:
             raise AgentExists(f"agent {agent_id!r} is already registered")
         shape, weight_bytes = self.registry.peek(model_path)
         context_bytes = context_estimate(shape, n_ctx, self.n_ubatch).total_bytes
         self._check_feasible(agent_id, weight_bytes + context_bytes)
-        return _Agent(agent_id, self.registry.acquire(model_path), n_ctx, context_bytes)
+        return Agent(agent_id, self.registry.acquire(model_path), policy, n_ctx, context_bytes)
 
     def _check_feasible(self, agent_id: str, request_bytes: int) -> None:
         """Refuse an agent that could never run: even with every context swapped out it does not fit."""
@@ -517,6 +465,11 @@ class Scheduler:
                                allocated_bytes=snap.allocated_bytes, request_bytes=request_bytes,
                                external_bytes=snap.external_bytes)
 
+    def add(self, agent: Agent) -> None:
+        """Make an admitted agent schedulable (worker only)."""
+        with self._cond:
+            self._agents[agent.agent_id] = agent
+
     def _unregister(self, agent_id: str) -> None:
         with self._cond:
             agent = self._agents.pop(agent_id, None)
@@ -526,7 +479,7 @@ class Scheduler:
         if self.store is not None:
             self.store.remove(agent_id)
 
-    def _teardown(self, agent: _Agent, error: SchedulerError) -> None:
+    def _teardown(self, agent: Agent, error: SchedulerError) -> None:
         while agent.queue:
             agent.queue.popleft().future.set_exception(error)
         self._free_context(agent)
@@ -535,77 +488,22 @@ class Scheduler:
             agent.snapshot = None
         self.registry.release(agent.entry)
 
-    def _fork(self, source_id: str, agent_id: str) -> dict[str, Any]:
-        source = self._agents.get(source_id)
-        if source is None:
-            raise UnknownAgent(f"no agent {source_id!r} is registered")
+    def _fork(self, source_id: str, agent_id: str) -> Forked:
+        source = self._agent(source_id)
         if agent_id in self._agents:
             raise AgentExists(f"agent {agent_id!r} is already registered")
         self._check_feasible(agent_id, source.context_bytes)
         self._activate(source, _Switch())  # a swapped-out source is restored, then copied from its context
         assert source.context is not None
-        snapshot = (Snapshot.capture(source.context, 0, tier="host", pool=self.pool)
-                    if source.context.seq_len(0) > 0 else None)
+        snapshot = (Snapshot.capture(source.context, 0, tier="host", pool=self.pool,
+                                     tokens=source.transcript[:source.kv_tokens])
+                    if source.kv_tokens > 0 else None)
         self.registry.acquire(source.entry.path)  # one more reference; cannot be refused, it is resident
-        agent = _Agent(agent_id, source.entry, source.n_ctx, source.context_bytes, snapshot=snapshot,
-                       served_tokens=source.served_tokens, held_tokens=snapshot.n_tokens if snapshot else 0)
-        with self._cond:
-            self._agents[agent_id] = agent
-        return {"agent": agent_id, "source": source_id, "held_tokens": snapshot.n_tokens if snapshot else 0}
-
-    # -- the state dir (worker thread, or after it stopped) ---------------------------------
-    def _persist(self, agent: _Agent) -> None:
-        """Save ``agent``'s current state unless the store already has it; a failure is logged, not raised."""
-        if self.store is None or agent.persisted:
-            return
-        live = agent.context if agent.context is not None and agent.context.seq_len(0) > 0 else None
-        try:
-            snapshot = Snapshot.capture(live, 0, tier="host", pool=self.pool) if live is not None else agent.snapshot
-            try:
-                record = AgentRecord(agent.agent_id, str(agent.entry.path), agent.entry.model.fingerprint, agent.n_ctx,
-                                     snapshot.n_tokens if snapshot is not None else 0, agent.served_tokens)
-                self.store.save(record, snapshot)
-            finally:
-                if live is not None and snapshot is not None:
-                    snapshot.release()
-        except (KvrtError, OSError) as exc:
-            log.warning("agent %r: state not saved to %s: %s", agent.agent_id, self.store.directory, exc)
-            return
-        agent.persisted = True
-
-    def _restore_all(self) -> None:
-        """Bring back every agent saved in the state dir; each one that cannot be is a logged problem."""
-        assert self.store is not None
-        records, problems = self.store.load()
-        for record in records:
-            try:
-                self._restore(record)
-            except (KvrtError, OSError) as exc:
-                problems.append(StateProblem(record.agent_id, getattr(exc, "file", record.manifest_name), str(exc)))
-            else:
-                self.state_restored += 1
-        for problem in problems:
-            log.warning("saved agent %r not restored (%s): %s", problem.agent_id, problem.file, problem.reason)
-        self.state_problems = problems
-        log.info("restored %d agent(s) from %s, skipped %d", self.state_restored, self.store.directory, len(problems))
-
-    def _restore(self, record: AgentRecord) -> None:
-        """One saved agent back in, swapped out (its KV in host memory); nothing is kept when any check fails."""
-        assert self.store is not None
-        check_agent_id(record.agent_id)
-        agent = self._admit(record.agent_id, record.model_path, record.n_ctx)
-        try:
-            mismatch = record.fingerprint.mismatch(agent.entry.model.fingerprint)
-            if mismatch is not None:
-                raise StateFileError(record.manifest_name, f"model {record.model_path} is not the one agent "
-                                                           f"{record.agent_id!r} was saved with: {mismatch}")
-            agent.snapshot = self.store.load_snapshot(record, self.pool)
-        except BaseException:
-            self.registry.release(agent.entry)
-            raise
-        agent.held_tokens, agent.served_tokens, agent.persisted = record.n_tokens, record.served_tokens, True
-        with self._cond:
-            self._agents[record.agent_id] = agent
+        agent = Agent(agent_id, source.entry, source.policy, source.n_ctx, source.context_bytes, snapshot=snapshot,
+                      transcript=list(source.transcript), kv_tokens=source.kv_tokens, keep=source.keep,
+                      served_tokens=source.served_tokens)
+        self.add(agent)
+        return Forked(agent_id, source_id, agent.held_tokens)
 
 
 def _settle(future: Future[T], fn: Callable[[], T]) -> None:
@@ -613,4 +511,3 @@ def _settle(future: Future[T], fn: Callable[[], T]) -> None:
         future.set_result(fn())
     except BaseException as exc:
         future.set_exception(exc)
-

@@ -3,8 +3,10 @@
 Two files per agent in the state directory:
 
 ``<agent_id>.agent.json``
-    the manifest: agent id, model path and model fingerprint, ``n_ctx``, tokens held and
-    tokens served. It carries a BLAKE2b checksum of its canonical JSON, so a damaged or
+    the manifest: agent id, model path and model fingerprint, ``n_ctx`` (its context's
+    size now), the tokens its KV holds, tokens served, its transcript (every token of its
+    history; the KV holds all of it or all but the last, which the next turn feeds), its
+    context policy and kept prefix. It carries a BLAKE2b checksum of its canonical JSON, so a damaged or
     hand-edited manifest is refused, never misread.
 ``<agent_id>+<n_tokens>.kvs``
     the agent's KV state in kvrt's snapshot file format (:meth:`kvrt.state.snapshot.Snapshot.save`:
@@ -25,7 +27,7 @@ import hashlib
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +37,7 @@ from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import Snapshot, SnapshotError
 
 MANIFEST_SUFFIX = ".agent.json"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
 _LOCK_NAME = "lock"
 _DIGEST = 16
 _INT_FIELDS = ("n_ctx", "n_tokens", "served_tokens")
@@ -63,6 +65,9 @@ class AgentRecord:
     n_ctx: int
     n_tokens: int
     served_tokens: int
+    transcript: tuple[int, ...] = ()
+    policy: dict[str, object] = field(default_factory=dict)  # keyword arguments of the scheduler's ContextPolicy
+    keep: int | None = None
 
     @property
     def manifest_name(self) -> str:
@@ -91,7 +96,8 @@ def _digest(body: dict[str, Any]) -> str:
 def _encode_manifest(record: AgentRecord) -> bytes:
     body = {"version": MANIFEST_VERSION, "agent_id": record.agent_id, "model_path": record.model_path,
             "fingerprint": asdict(record.fingerprint), "n_ctx": record.n_ctx, "n_tokens": record.n_tokens,
-            "served_tokens": record.served_tokens}
+            "served_tokens": record.served_tokens, "transcript": list(record.transcript), "policy": record.policy,
+            "keep": record.keep}
     return json.dumps({"record": body, "checksum": _digest(body)}, sort_keys=True, indent=1).encode() + b"\n"
 
 
@@ -116,8 +122,15 @@ def _decode_manifest(name: str, data: bytes, agent_id: str) -> AgentRecord:
         fingerprint = ModelFingerprint(**body["fingerprint"])
     except TypeError as exc:
         raise StateFileError(name, f"{name}: invalid model fingerprint ({exc})") from None
+    transcript, policy, keep = body.get("transcript"), body.get("policy"), body.get("keep")
+    if (not isinstance(transcript, list) or any(type(t) is not int or t < 0 for t in transcript)
+            or not 0 <= len(transcript) - body["n_tokens"] <= 1):
+        raise StateFileError(name, f"{name}: the transcript is not a list of token ids holding the "
+                                   f"{body['n_tokens']} tokens of the KV state (and at most one more)")
+    if not isinstance(policy, dict) or (keep is not None and (type(keep) is not int or keep < 0)):
+        raise StateFileError(name, f"{name}: invalid context policy {policy!r} or kept prefix {keep!r}")
     return AgentRecord(agent_id, body["model_path"], fingerprint, body["n_ctx"], body["n_tokens"],
-                       body["served_tokens"])
+                       body["served_tokens"], tuple(transcript), policy, keep)
 
 
 def _write_atomic(target: Path, data: bytes) -> None:

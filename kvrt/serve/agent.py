@@ -1,0 +1,175 @@
+"""One agent's context: its history, its llama.cpp context and ledger charge, its swap state, its limit policy.
+
+An :class:`Agent` is the scheduler's unit. Its ``transcript`` is every token of its
+history, in order (prompts, and every token the model sampled, an end-of-generation
+token included). Invariant, between turns: the KV cache of sequence 0 (live in
+``context`` or captured in ``snapshot``) holds exactly ``transcript[:kv_tokens]`` at
+positions ``0 .. kv_tokens - 1``, and ``transcript[kv_tokens:]`` (at most the one token
+sampled last, which :func:`kvrt.engine.generation.generate` never decodes) is fed first
+with the next turn. So after any number of turns, swaps and forks the agent's state is
+that of its transcript, as a recompute from scratch would build it.
+
+What happens at the context limit is the agent's :class:`ContextPolicy`: ``refuse``
+(:class:`~kvrt.serve.results.ContextFull`, nothing changes), ``shift`` (the oldest tokens
+after a kept prefix are dropped with ``seq_rm`` and the rest moved down with
+``seq_add``; the transcript drops them too; the kept tokens' KV was computed with the
+dropped ones in view, so a shifted history is llama.cpp's context shift, not a recompute of
+the shorter transcript), or ``grow`` (the context starts at
+``min_ctx`` cells and is moved into a larger one, at most twice what the turn needs,
+charged to the ledger before it is created). A fixed context is ``min_ctx == n_ctx``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvrt.engine.context import Context
+from kvrt.serve.ledger import Reservation
+from kvrt.serve.registry import LoadedModel
+from kvrt.serve.results import ContextFull, InvalidArgument
+from kvrt.state.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from kvrt.serve.scheduler import Turn
+
+POLICIES = ("refuse", "shift", "grow")
+CTX_STEP = 256  # llama.cpp rounds n_ctx up to a multiple of this
+
+
+def _cells(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidArgument(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ContextPolicy:
+    """How big an agent's context may get and what happens when a turn would pass it.
+
+    ``n_ctx``: the most cells the agent's history may occupy. ``min_ctx`` (grow only):
+    the first context's size, rounded up to 256 cells. ``keep`` (shift only): tokens at
+    the start that are never dropped; ``None`` keeps the first turn's prompt (at most
+    half of ``n_ctx``).
+    """
+
+    mode: str = "refuse"
+    n_ctx: int = 4096
+    min_ctx: int | None = None
+    keep: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in POLICIES:
+            raise InvalidArgument(f"context policy must be one of {', '.join(POLICIES)}, got {self.mode!r}")
+        _cells(self.n_ctx, "n_ctx")
+        if self.min_ctx is not None:
+            if self.mode != "grow":
+                raise InvalidArgument(f"min_ctx applies to policy=grow only (policy is {self.mode})")
+            if _cells(self.min_ctx, "min_ctx") > self.n_ctx:
+                raise InvalidArgument(f"min_ctx {self.min_ctx} exceeds n_ctx {self.n_ctx}")
+        if self.keep is not None:
+            if self.mode != "shift":
+                raise InvalidArgument(f"keep applies to policy=shift only (policy is {self.mode})")
+            if isinstance(self.keep, bool) or not isinstance(self.keep, int) or not 0 <= self.keep < self.n_ctx:
+                raise InvalidArgument(f"keep must be an integer in [0, n_ctx={self.n_ctx}), got {self.keep!r}")
+
+    @property
+    def first_ctx(self) -> int:
+        """The size of the agent's first context."""
+        if self.mode != "grow":
+            return self.n_ctx
+        return min(self.n_ctx, -(-(self.min_ctx or CTX_STEP) // CTX_STEP) * CTX_STEP)
+
+    def grown(self, current: int, needed: int) -> int:
+        """The size for ``needed`` cells: ``current`` doubled until it holds them, capped at ``n_ctx``.
+
+        The headroom is bounded: the result is below ``2 * needed`` whenever it grew.
+        """
+        size = current
+        while size < needed:
+            size *= 2
+        return min(self.n_ctx, size)
+
+    def as_record(self) -> dict[str, object]:
+        return {"mode": self.mode, "n_ctx": self.n_ctx, "min_ctx": self.min_ctx, "keep": self.keep}
+
+
+@dataclass
+class Plan:
+    """What a turn needs before it runs: the context size to hold it and the tokens to drop (shift)."""
+
+    size: int
+    drop: int = 0  # transcript[keep:keep + drop] goes
+    keep: int = 0
+
+
+@dataclass
+class Agent:
+    """One agent (see the module docstring); fields change on the scheduler's worker only."""
+
+    agent_id: str
+    entry: LoadedModel
+    policy: ContextPolicy
+    n_ctx: int  # cells of its context (the one it has, or the next one it will get)
+    context_bytes: int
+    queue: deque[Turn] = field(default_factory=deque)
+    context: Context | None = None
+    reservation: Reservation | None = None
+    snapshot: Snapshot | None = None
+    transcript: list[int] = field(default_factory=list)
+    kv_tokens: int = 0
+    keep: int | None = None  # shift: resolved from the policy at the first turn
+    served_tokens: int = 0
+    last_used: int = 0
+    requests: int = 0
+    persisted: bool = False  # the state dir holds its current state
+
+    @property
+    def state(self) -> str:
+        return "active" if self.context is not None else "swapped" if self.snapshot is not None else "cold"
+
+    @property
+    def held_tokens(self) -> int:
+        return len(self.transcript)
+
+    def check(self) -> None:
+        """The invariant of the module docstring, where it can be read (a live context)."""
+        if self.context is not None and self.context.seq_len(0) != self.kv_tokens:
+            raise AssertionError(f"agent {self.agent_id!r}: its KV holds {self.context.seq_len(0)} tokens, "
+                                 f"its transcript says {self.kv_tokens}")
+
+    def plan(self, prompt: int, max_tokens: int) -> Plan:
+        """What a turn of ``prompt`` new tokens and ``max_tokens`` needs; :class:`ContextFull` when it cannot run."""
+        unfed = len(self.transcript) - self.kv_tokens
+        needed = self.kv_tokens + unfed + prompt + max_tokens
+        limit = self.policy.n_ctx
+        if needed <= limit:
+            return Plan(self.policy.grown(self.n_ctx, needed) if self.policy.mode == "grow" else self.n_ctx)
+        why = (f"agent {self.agent_id!r} holds {len(self.transcript)} tokens; + prompt ({prompt}) + max_tokens "
+               f"({max_tokens}) = {needed} exceeds its n_ctx {limit}")
+        if self.policy.mode != "shift":
+            raise ContextFull(f"{why} (policy={self.policy.mode}: register with policy=shift or a larger n_ctx)")
+        keep = self.keep if self.keep is not None else min(prompt, limit // 2)
+        room = limit - keep - unfed - prompt - max_tokens
+        if room < 0:
+            raise ContextFull(f"{why}, and keeping its first {keep} tokens leaves no room to shift into "
+                              "(lower max_tokens or the prompt)")
+        held = self.kv_tokens - keep
+        drop = max(held - room, held // 2)  # drop half at once, so a shift happens every few turns, not every turn
+        return Plan(self.n_ctx, drop=drop, keep=keep)
+
+    def shift(self, plan: Plan) -> None:
+        """Drop ``transcript[keep:keep + drop]`` from the live KV and move what follows down."""
+        assert self.context is not None and plan.drop > 0
+        ctx, keep, drop = self.context, plan.keep, plan.drop
+        ctx.seq_rm(0, keep, keep + drop)
+        ctx.seq_add(0, keep + drop, -1, -drop)
+        del self.transcript[keep:keep + drop]
+        self.kv_tokens -= drop
+        self.check()
+
+    def resolve_keep(self, prompt: int) -> None:
+        """Fix the kept prefix of a shifting agent at its first turn (its first prompt, at most half its context)."""
+        if self.policy.mode == "shift" and self.keep is None:
+            self.keep = self.policy.keep if self.policy.keep is not None else min(prompt, self.policy.n_ctx // 2)

@@ -1,0 +1,90 @@
+"""The scheduler's agents in a state directory (:mod:`kvrt.state.agentstore`): saved, and brought back.
+
+An agent's state is saved when it is swapped out and, for every agent, when the
+scheduler closes; a new scheduler on the same directory brings them back swapped out,
+and their next request continues from the saved KV and transcript exactly as if the
+process had never stopped. A saved agent that cannot be restored (damaged file, changed
+model, no room) is skipped and listed in :attr:`Scheduler.state_problems`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from kvrt.errors import KvrtError
+from kvrt.serve.agent import Agent, ContextPolicy
+from kvrt.serve.results import check_agent_id
+from kvrt.state.agentstore import AgentRecord, StateFileError, StateProblem
+from kvrt.state.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from kvrt.serve.scheduler import Scheduler
+
+log = logging.getLogger("kvrt.serve.statedir")
+
+
+def persist(sched: Scheduler, agent: Agent) -> None:
+    """Save ``agent``'s current state unless the store already has it; a failure is logged, not raised."""
+    store = sched.store
+    if store is None or agent.persisted:
+        return
+    live = agent.context if agent.snapshot is None and agent.context is not None and agent.kv_tokens > 0 else None
+    try:
+        snapshot = (Snapshot.capture(live, 0, tier="host", pool=sched.pool, tokens=agent.transcript[:agent.kv_tokens])
+                    if live is not None else agent.snapshot)
+        try:
+            record = AgentRecord(agent.agent_id, str(agent.entry.path), agent.entry.model.fingerprint, agent.n_ctx,
+                                 agent.kv_tokens, agent.served_tokens, tuple(agent.transcript),
+                                 agent.policy.as_record(), agent.keep)
+            store.save(record, snapshot)
+        finally:
+            if live is not None and snapshot is not None:
+                snapshot.release()
+    except (KvrtError, OSError) as exc:
+        log.warning("agent %r: state not saved to %s: %s", agent.agent_id, store.directory, exc)
+        return
+    agent.persisted = True
+
+
+def restore_all(sched: Scheduler) -> None:
+    """Bring back every agent saved in the state dir (worker thread); each one that cannot be is a problem."""
+    store = sched.store
+    assert store is not None
+    records, problems = store.load()
+    for record in records:
+        try:
+            _restore(sched, record)
+        except (KvrtError, OSError) as exc:
+            problems.append(StateProblem(record.agent_id, getattr(exc, "file", record.manifest_name), str(exc)))
+        else:
+            sched.state_restored += 1
+    for problem in problems:
+        log.warning("saved agent %r not restored (%s): %s", problem.agent_id, problem.file, problem.reason)
+    sched.state_problems = problems
+    log.info("restored %d agent(s) from %s, skipped %d", sched.state_restored, store.directory, len(problems))
+
+
+def _restore(sched: Scheduler, record: AgentRecord) -> None:
+    """One saved agent back in, swapped out (its KV in host memory); nothing is kept when any check fails."""
+    store = sched.store
+    assert store is not None
+    check_agent_id(record.agent_id)
+    try:
+        policy = ContextPolicy(**record.policy)  # type: ignore[arg-type]
+    except (TypeError, KvrtError) as exc:
+        raise StateFileError(record.manifest_name, f"{record.manifest_name}: invalid context policy "
+                                                   f"{record.policy!r}: {exc}") from None
+    agent = sched.admit(record.agent_id, record.model_path, policy, record.n_ctx)
+    try:
+        mismatch = record.fingerprint.mismatch(agent.entry.model.fingerprint)
+        if mismatch is not None:
+            raise StateFileError(record.manifest_name, f"model {record.model_path} is not the one agent "
+                                                       f"{record.agent_id!r} was saved with: {mismatch}")
+        agent.snapshot = store.load_snapshot(record, sched.pool)
+    except BaseException:
+        sched.registry.release(agent.entry)
+        raise
+    agent.transcript, agent.kv_tokens, agent.keep = list(record.transcript), record.n_tokens, record.keep
+    agent.served_tokens, agent.persisted = record.served_tokens, True
+    sched.add(agent)
