@@ -18,9 +18,9 @@ from kvrt.engine.context import ContextParams
 from kvrt.engine.generation import SequenceStream
 from kvrt.engine.live import Choice, Live
 from kvrt.engine.model import Model
+from kvrt.engine.prefix_cache import PrefixCache
 from kvrt.engine.requests import EngineError, Request, RequestStream, RequestTooLarge
 from kvrt.engine.sampling import Sampler
-from kvrt.state.prefix_cache import PrefixCache
 
 LLAMA_MAX_SEQ = 256
 

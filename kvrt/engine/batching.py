@@ -39,6 +39,7 @@ from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.live import Choice, Live
 from kvrt.engine.model import Model
+from kvrt.engine.prefix_cache import PrefixCache
 from kvrt.engine.requests import (
     ChoiceEnd,
     EngineClosed,
@@ -53,7 +54,6 @@ from kvrt.engine.requests import (
 )
 from kvrt.engine.sampling import Sampler
 from kvrt.errors import DecodeError, KvrtError
-from kvrt.state.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 

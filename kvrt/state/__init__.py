@@ -1,1 +1,1 @@
-"""KV state off the context: host pools, snapshots and their stores, the prefix cache, context pools."""
+"""KV state off the context: host pools, snapshots and their stores, the snapshot prefix cache, context pools."""
