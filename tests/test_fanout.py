@@ -27,7 +27,7 @@ BRANCHES = [
 
 def recompute(model: Model, document: str, branch: Branch) -> list[int]:
     """Greedy tokens of document + prompt generated in a fresh context: the reference."""
-    with Context(model, n_ctx=512) as ctx:
+    with Context(model, n_ctx=512, flash_attn="off") as ctx:
         prefill(ctx, model.tokenize(document), logits_last=False)
         tokens = model.tokenize(branch.prompt, add_special=False)
         return generate(ctx, tokens, branch.params).tokens
@@ -135,7 +135,7 @@ def test_sharing_chunk_by_chunk_during_the_prefill_gives_the_cells_of_seq_cp_aft
             ctx.seq_cp(0, seq)
         after = next_logits(ctx)
     for seq, prompt in enumerate(prompts):
-        with Context(tiny_model, n_ctx=512, n_batch=32, n_ubatch=32) as ref:
+        with Context(tiny_model, n_ctx=512, n_batch=32, n_ubatch=32, flash_attn=params.flash_attn) as ref:
             prefill(ref, doc, logits_last=False)
             reference = ref.logits(prefill(ref, prompt))
         np.testing.assert_array_equal(during[seq], after[seq])

@@ -16,6 +16,12 @@ Before anything is allocated, :meth:`Pipeline.run` checks names, dependencies, c
 number). A failing node fails its dependents at once, with the cause chained; nodes
 that do not depend on it finish normally. Branches run in isolated mode (own context
 each), which is what lets them start while the prefill is still running.
+
+Exactness: a branch at watermark K is token-identical (greedy) to a fresh llama.cpp
+context that decodes the document's segments as the prefill cut them (at every
+watermark up to K, each in ``n_batch`` chunks), then the prompt, then each generated
+token, with the same settings and ``flash_attn="off"`` (the default; see
+:mod:`kvrt.branching.branches` for why flash attention breaks this after a restore).
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrt.branching.branches import Branch, FanoutError, branch_budget, run_isolated
+from kvrt.branching.branch import Branch, FanoutError, branch_budget
+from kvrt.branching.runner import run_isolated
 from kvrt.checks import INT32_MAX, check_int, prompt_tokens, shown
 from kvrt.engine.context import ContextParams
 from kvrt.engine.generation import GenerationParams, prefill
@@ -125,11 +132,12 @@ class Pipeline:
 
     ``n_ctx`` is the size of every branch's context (the budget each branch is checked
     against); ``max_workers`` bounds how many nodes run at once; ``flash_attn`` is passed
-    to every context (see :class:`kvrt.engine.context.ContextParams`).
+    to every context (see :class:`kvrt.engine.context.ContextParams`; ``"off"``, the
+    default, keeps branches token-identical to a from-scratch evaluation).
     """
 
     def __init__(self, model: Model, *, n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None,
-                 max_workers: int = 4, host_pool: HostPool | None = None, flash_attn: str = "auto") -> None:
+                 max_workers: int = 4, host_pool: HostPool | None = None, flash_attn: str = "off") -> None:
         check_int(n_batch, "n_batch", low=1, high=INT32_MAX, error=PipelineError)
         check_int(max_workers, "max_workers", low=1, high=1024, error=PipelineError)
         if host_pool is not None and not isinstance(host_pool, HostPool):
