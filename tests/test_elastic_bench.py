@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvrt_bench.elastic import bursty_trace, simulate, trace_models
+from kvrt_bench._elastic_trace import bursty_trace, simulate, trace_models
 
 from kvrt.memory.vmm import HostDriver
 
@@ -27,7 +27,8 @@ def test_both_arms_serve_the_same_trace_and_elastic_holds_less():
 def test_part_c_spares_take_context_creation_off_the_path_and_tokens_stay_equal():
     import argparse
 
-    from kvrt_bench.elastic import add_arguments, part_c
+    from kvrt_bench._elastic_agent import part_c
+    from kvrt_bench.elastic import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
