@@ -45,7 +45,7 @@ running kernels):
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from kvrt.errors import KvrtError
 from kvrt.memory.elastic_supply import ElasticError, Page, PageSupply, Shortage
@@ -53,7 +53,7 @@ from kvrt.memory.elastic_tenant import Tenant
 from kvrt.memory.vmm import Fence, PageDriver
 from kvrt.serve.ledger import VramLedger
 
-__all__ = ["DEFAULT_POOL_OWNER", "ElasticError", "ElasticPool", "ElasticRefusal", "PoolStats", "Tenant"]
+__all__ = ["DEFAULT_POOL_OWNER", "ElasticError", "ElasticPool", "ElasticRefusal", "PoolPolicy", "PoolStats", "Tenant"]
 
 DEFAULT_POOL_OWNER = "pool:elastic"
 
@@ -75,22 +75,43 @@ class PoolStats:
     unmaps: int
 
 
+@dataclass(frozen=True)
+class PoolPolicy:
+    """How :meth:`ElasticPool.maintain` keeps driver calls off the critical path (see the module docstring)."""
+
+    idle_target_pages: int = 0
+    idle_max_pages: int = 64
+    park_s: float = 1.0
+    map_ahead_stripes: int = 1
+    background_map: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.idle_target_pages < 0 or self.idle_max_pages < self.idle_target_pages or self.map_ahead_stripes < 0
+                or self.park_s < 0):
+            raise ElasticError(
+                f"need 0 <= idle_target_pages ({self.idle_target_pages}) <= idle_max_pages ({self.idle_max_pages}), "
+                f"map_ahead_stripes >= 0 ({self.map_ahead_stripes}) and park_s >= 0 ({self.park_s})")
+
+
+@dataclass(eq=False)
 class ElasticRefusal(KvrtError):
     """A tenant could not grow: no page was left (capacity, ledger or device). Nothing changed."""
 
-    def __init__(self, tenant: str, reason: str, *, requested_bytes: int, committed_bytes: int,
-                 max_bytes: int, pages_needed: int, stats: PoolStats) -> None:
-        self.tenant = tenant
-        self.reason = reason
-        self.requested_bytes = requested_bytes
-        self.committed_bytes = committed_bytes
-        self.max_bytes = max_bytes
-        self.pages_needed = pages_needed
-        self.stats = stats
+    tenant: str
+    reason: str
+    _: KW_ONLY
+    requested_bytes: int
+    committed_bytes: int
+    max_bytes: int
+    pages_needed: int
+    stats: PoolStats
+
+    def __post_init__(self) -> None:
+        stats = self.stats
         super().__init__(
-            f"elastic tenant {tenant!r} cannot grow to {requested_bytes} B per segment "
-            f"(holds {committed_bytes} B, max {max_bytes} B, needs {pages_needed} more pages of "
-            f"{stats.page_bytes} B): {reason} [pool: {stats.live_pages} pages live, {stats.idle_pages} idle, "
+            f"elastic tenant {self.tenant!r} cannot grow to {self.requested_bytes} B per segment "
+            f"(holds {self.committed_bytes} B, max {self.max_bytes} B, needs {self.pages_needed} more pages of "
+            f"{stats.page_bytes} B): {self.reason} [pool: {stats.live_pages} pages live, {stats.idle_pages} idle, "
             f"{stats.mapped_pages} mapped, capacity {stats.capacity_pages}]"
         )
 
@@ -121,20 +142,12 @@ class ElasticPool:
             from kvrt.memory.vmm import CudaDriver
 
             driver = CudaDriver()
-        if idle_target_pages < 0 or idle_max_pages < idle_target_pages or map_ahead_stripes < 0 or park_s < 0:
-            raise ElasticError(
-                f"need 0 <= idle_target_pages ({idle_target_pages}) <= idle_max_pages ({idle_max_pages}), "
-                f"map_ahead_stripes >= 0 ({map_ahead_stripes}) and park_s >= 0 ({park_s})")
+        self.policy = PoolPolicy(idle_target_pages, idle_max_pages, park_s, map_ahead_stripes, background_map)
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ElasticError(f"capacity_bytes must be non-negative, got {capacity_bytes}")
         self.driver = driver
         self.page_bytes = int(driver.page_bytes)
         self.capacity_pages = None if capacity_bytes is None else capacity_bytes // self.page_bytes
-        self.idle_target_pages = idle_target_pages
-        self.idle_max_pages = idle_max_pages
-        self.park_s = park_s
-        self.map_ahead_stripes = map_ahead_stripes
-        self.background_map = background_map
         self.owner = owner
         self._supply = PageSupply(driver, ledger, owner, self.capacity_pages)
         self._lock = threading.RLock()
@@ -163,7 +176,7 @@ class ElasticPool:
             except BaseException:
                 charge.close()
                 raise
-            ahead = self.map_ahead_stripes if map_ahead_stripes is None else map_ahead_stripes
+            ahead = self.policy.map_ahead_stripes if map_ahead_stripes is None else map_ahead_stripes
             tenant = Tenant(self, self._supply, name, segments, segment_bytes, va, charge, ahead)
             self._tenants[name] = tenant
             return tenant
@@ -202,7 +215,7 @@ class ElasticPool:
             self._wake.notify()
 
     def shrink(self, tenant: Tenant, nbytes: int, fence: Fence | None = None) -> None:
-        """Keep ``nbytes`` per segment of ``tenant``; the rest returns once ``fence`` is done (:meth:`Tenant.shrink_to`)."""
+        """Keep ``nbytes`` per segment of ``tenant``; the rest returns after ``fence`` (:meth:`Tenant.shrink_to`)."""
         if nbytes < 0:
             raise ElasticError(f"tenant {tenant.name!r}: size must be non-negative, got {nbytes}")
         keep = -(-nbytes // self.page_bytes)
@@ -243,15 +256,15 @@ class ElasticPool:
             with self._lock:
                 if not tenant.closed:
                     tenant.reclaim()
-        if self.background_map:
+        if self.policy.background_map:
             for tenant in tenants:
                 self._map_ahead(tenant)
         while True:
             with self._lock:
-                if self._supply.idle_count >= self.idle_target_pages or not self._supply.add_idle():
+                if self._supply.idle_count >= self.policy.idle_target_pages or not self._supply.add_idle():
                     break
         with self._lock:
-            self._supply.release_parked(self.idle_max_pages, self.park_s)
+            self._supply.release_parked(self.policy.idle_max_pages, self.policy.park_s)
 
     def _map_ahead(self, tenant: Tenant) -> None:
         with self._lock:

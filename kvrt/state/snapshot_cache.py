@@ -94,7 +94,7 @@ class SnapshotCache:
         self.close()
 
     def _evict(self) -> list[Snapshot]:
-        """Drop least recently used entries until the bytes held fit ``capacity_bytes``; returns them (under the lock)."""
+        """Drop least recently used entries until the bytes held fit ``capacity_bytes``; returns them (locked)."""
         if self.capacity_bytes is None:
             return []
         held = sum(snapshot.nbytes for snapshot in self._entries.values())

@@ -90,17 +90,13 @@ def _capture_buffer(ctx: Context, seq_id: int, pool: HostPool, flags: int) -> Ho
     return buffer
 
 
-class HostStore(SnapshotStore):
-    """The full state in a host buffer."""
+class _BufferStore(SnapshotStore):
+    """A store whose bytes are one host buffer, restored with ``flags``."""
 
-    tier = "host"
+    flags: ClassVar[int]
 
     def __init__(self, buffer: HostBuffer) -> None:
         self._buffer = buffer
-
-    @classmethod
-    def capture(cls, ctx: Context, seq_id: int, pool: HostPool) -> HostStore:
-        return cls(_capture_buffer(ctx, seq_id, pool, STATE_SEQ_FLAGS_NONE))
 
     @property
     def nbytes(self) -> int:
@@ -111,46 +107,50 @@ class HostStore(SnapshotStore):
         return self._buffer.pinned
 
     def restore(self, ctx: Context, seq_id: int, identity: SnapshotIdentity) -> None:
-        ctx.seq_state_set(self._buffer.view, seq_id, STATE_SEQ_FLAGS_NONE)
-
-    @contextmanager
-    def host_bytes(self, identity: SnapshotIdentity) -> Iterator[np.ndarray]:
-        yield self._buffer.view
+        ctx.seq_state_set(self._buffer.view, seq_id, self.flags)
 
     def release(self) -> None:
         self._buffer.release()
 
 
-class DeviceStore(SnapshotStore):
+class HostStore(_BufferStore):
+    """The full state in a host buffer."""
+
+    tier = "host"
+    flags = STATE_SEQ_FLAGS_NONE
+
+    @classmethod
+    def capture(cls, ctx: Context, seq_id: int, pool: HostPool) -> HostStore:
+        return cls(_capture_buffer(ctx, seq_id, pool, cls.flags))
+
+    @contextmanager
+    def host_bytes(self, identity: SnapshotIdentity) -> Iterator[np.ndarray]:
+        yield self._buffer.view
+
+
+class DeviceStore(_BufferStore):
     """Metadata on the host, tensor rows in the capturing context's device copy of ``source_seq``."""
 
     tier = "device"
+    flags = STATE_SEQ_FLAGS_ON_DEVICE
     # Which device capture of (context, source sequence) is current: llama.cpp keeps one copy
     # per pair in the context, so every older device store of that pair is stale.
     _current: ClassVar[weakref.WeakKeyDictionary[Context, dict[int, int]]] = weakref.WeakKeyDictionary()
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, buffer: HostBuffer, ctx: Context, source_seq: int, generation: int) -> None:
-        self._buffer = buffer
+        super().__init__(buffer)
         self._ctx = weakref.ref(ctx)
         self.source_seq = source_seq
         self.generation = generation
 
     @classmethod
     def capture(cls, ctx: Context, seq_id: int, pool: HostPool) -> DeviceStore:
-        buffer = _capture_buffer(ctx, seq_id, pool, STATE_SEQ_FLAGS_ON_DEVICE)
+        buffer = _capture_buffer(ctx, seq_id, pool, cls.flags)
         with cls._lock:
             generations = cls._current.setdefault(ctx, {})
             generations[seq_id] = generation = generations.get(seq_id, 0) + 1
         return cls(buffer, ctx, seq_id, generation)
-
-    @property
-    def nbytes(self) -> int:
-        return self._buffer.nbytes
-
-    @property
-    def pinned(self) -> bool:
-        return self._buffer.pinned
 
     def check_target(self, ctx: Context) -> None:
         if self._ctx() is not ctx:
@@ -162,15 +162,9 @@ class DeviceStore(SnapshotStore):
             raise SnapshotMismatch(f"device-tier snapshot of sequence {self.source_seq} is stale: it is capture "
                                    f"#{self.generation} and capture #{current} has overwritten llama.cpp's copy")
 
-    def restore(self, ctx: Context, seq_id: int, identity: SnapshotIdentity) -> None:
-        ctx.seq_state_set(self._buffer.view, seq_id, STATE_SEQ_FLAGS_ON_DEVICE)
-
     def host_bytes(self, identity: SnapshotIdentity) -> AbstractContextManager[np.ndarray]:
         raise SnapshotError("a device-tier snapshot keeps its tensors in the context; capture to the host "
                             "tier to save it")
-
-    def release(self) -> None:
-        self._buffer.release()
 
 
 class DiskStore(SnapshotStore):
