@@ -24,7 +24,7 @@ import numpy as np
 
 from kvrt.errors import KvrtError
 
-DEFAULT_PAGE_BYTES = 2 << 20  # the H200's VMM granularity (tools notes: 2 MiB)
+DEFAULT_PAGE_BYTES = 2 << 20  # the VMM allocation granularity on the H200
 
 
 class VmmError(KvrtError):

@@ -1,7 +1,7 @@
 """A pool of idle llama.cpp contexts of one shape, so a branch never pays for creating one.
 
-Creating a context costs 27-40 ms on the H200 (its KV buffers are allocated and
-cleared), more than restoring a 3.5k-token state from pinned memory; fan-out therefore
+Creating a context allocates and clears its KV buffers, which costs more than restoring
+a 3.5k-token state from pinned memory (bench/RESULTS.md, fan-out); fan-out therefore
 leases contexts from here and gives them back emptied: isolated mode one-sequence
 contexts, shared mode a unified-KV context with room for every branch
 (:func:`kvrt.branching.branches.shared_params`).

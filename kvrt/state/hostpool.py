@@ -5,9 +5,9 @@ more than copying into it, so a snapshot must not allocate (or pin) per capture.
 Buffers are grouped in size classes (eight per power of two, so at most 12.5% is
 wasted) and a released buffer is handed to the next request of its class.
 
-Why pinned: host<->device copies from page-locked memory run at ~55 GB/s on the H200
-against ~7 GB/s from pageable memory (``shared/device/NOTES.md``). CuPy is imported
-only when pinning is asked for or detected, never on a CPU-only path.
+Why pinned: host<->device copies from page-locked memory run several times faster than
+from pageable memory (figures in bench/RESULTS.md). CuPy is imported only when pinning
+is asked for or detected, never on a CPU-only path.
 """
 
 from __future__ import annotations
