@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import io
 import json
 import os
 import stat
@@ -58,10 +59,11 @@ def _write(fh: BinaryIO, identity: SnapshotIdentity, payload: np.ndarray) -> Non
     """Prefix, header, state bytes and the BLAKE2b digest of everything after the magic; fsynced."""
     header = json.dumps({**asdict(identity), "nbytes": payload.nbytes}, sort_keys=True).encode()
     prefix = _PREFIX.pack(MAGIC, VERSION, len(header))
+    body = payload.data
     digest = hashlib.blake2b(prefix[8:], digest_size=_DIGEST)
     digest.update(header)
-    digest.update(payload)
-    for part in (prefix, header, payload, digest.digest()):
+    digest.update(body)
+    for part in (prefix, header, body, digest.digest()):
         fh.write(part)
     fh.flush()
     os.fsync(fh.fileno())
@@ -89,7 +91,7 @@ def read_file(path: str | os.PathLike[str], pool: HostPool, *,
     return identity, buffer
 
 
-def _read(fh: BinaryIO, source: Path, size: int, pool: HostPool) -> tuple[SnapshotIdentity, HostBuffer]:
+def _read(fh: io.BufferedIOBase, source: Path, size: int, pool: HostPool) -> tuple[SnapshotIdentity, HostBuffer]:
     """Parse and verify an open snapshot file of ``size`` bytes (sizes checked before anything is read)."""
     prefix = fh.read(_PREFIX.size)
     if len(prefix) < _PREFIX.size:
@@ -121,9 +123,9 @@ def _read(fh: BinaryIO, source: Path, size: int, pool: HostPool) -> tuple[Snapsh
         view = buffer.view
         for start in range(0, nbytes, _READ_CHUNK):
             chunk = view[start:start + _READ_CHUNK]
-            if fh.readinto(memoryview(chunk)) != chunk.size:
+            if fh.readinto(chunk.data) != chunk.size:
                 raise SnapshotCorrupt(f"{source}: short read at byte {start} of the state")
-            digest.update(chunk)
+            digest.update(chunk.data)
         if fh.read(_DIGEST) != digest.digest():
             raise SnapshotCorrupt(f"{source}: checksum mismatch: the file was altered or damaged")
     except BaseException:
