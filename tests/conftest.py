@@ -12,21 +12,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, settings
 
-
-def _nvidia_gpu_present() -> bool:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return pynvml.nvmlDeviceGetCount() > 0
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        return False
+from kvrt.system.gpu import nvidia_gpu_count
 
 
-HAS_GPU = _nvidia_gpu_present()
+HAS_GPU = nvidia_gpu_count() > 0
 if not HAS_GPU:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
