@@ -1,10 +1,10 @@
 """An agent's history is exactly its transcript, after any turns, swaps, forks and growths (demo model).
 
-The reference is independent of the scheduler: a fresh llama.cpp context prefills the
-whole transcript in one go and continues greedily. Turn-by-turn decoding, swaps through
-host memory and moves into larger contexts must give the same greedy tokens. Models load
-without CPU extra buffer types: their repacked kernels round a one-token decode (gemv)
-differently from a many-token prefill (gemm), which alone moves near-tied argmaxes.
+The reference is independent of the scheduler (tests/_reference.py): a fresh llama.cpp
+context prefills the whole transcript in one go; turn-by-turn decoding, swaps through host
+memory and moves into larger contexts must give its greedy tokens, and the agent's KV must
+hold exactly its transcript. Models load without CPU extra buffer types: their repacked
+kernels round a one-token decode (gemv) very differently from a many-token prefill (gemm).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from _reference import check_greedy
 
-from kvrt.engine.context import Context
-from kvrt.engine.generation import GenerationParams, generate
 from kvrt.engine.model import Model
 from kvrt.serve.estimate import ModelShape, context_estimate
 from kvrt.serve.ledger import VramLedger
 from kvrt.serve.registry import ModelRegistry
+from kvrt.serve.residency import Switch
 from kvrt.serve.scheduler import Scheduler
 
 N_CTX = 1024
@@ -44,11 +44,14 @@ def one_live_context(path: Path) -> VramLedger:
     return VramLedger(shape.weight_bytes(on_gpu=False) + context_estimate(shape, N_CTX).total_bytes)
 
 
-def recompute(model: Model, transcript: list[int], probe: str, n: int) -> list[int]:
-    """Greedy continuation of ``transcript`` + ``probe`` in a fresh context that prefills all of it at once."""
-    tokens = transcript + model.tokenize(probe, add_special=False)
-    with Context(model, n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=512, n_threads=1, flash_attn="off") as ctx:
-        return generate(ctx, tokens, GenerationParams(max_tokens=n)).tokens
+def kv_tokens(sched: Scheduler, agent_id: str) -> int:
+    """Tokens the agent's KV holds, read from llama.cpp (restored into a live context first)."""
+    def read() -> int:
+        agent = sched._agents[agent_id]
+        sched.residency.activate(agent, Switch())
+        assert agent.context is not None
+        return agent.context.seq_len(0)
+    return sched._call(read)
 
 
 def expected_transcript(model: Model, prompts: list[str], outputs: list[list[int]], got: list[int]) -> list[int]:
@@ -86,11 +89,12 @@ def test_many_turns_with_swaps_forks_and_growth_equal_a_recompute(demo_model_pat
         grown = {a.agent_id: a.n_ctx for a in sched.agents()}["g"]
         assert grown > 256  # the growing agent moved into a larger context on the way
         with Model(demo_model_path, use_extra_bufts=False) as model:
-            for agent in ("a", "b", "g", "a2"):
-                transcript = sched.transcript(agent)
+            transcripts = {agent: sched.transcript(agent) for agent in ("a", "b", "g", "a2")}
+            for agent, transcript in transcripts.items():
                 assert transcript == expected_transcript(model, prompts[agent], outputs[agent], transcript)
-                got = sched.decode(agent, PROBE, 12).tokens
-                assert got == recompute(model, transcript, PROBE, 12), agent
+        for agent, transcript in transcripts.items():
+            assert kv_tokens(sched, agent) == len(transcript) - 1  # all of it but the last token sampled
+            check_greedy(demo_model_path, transcript, PROBE, sched.decode(agent, PROBE, 12).tokens, agent)
 
 
 def test_a_failed_turn_leaves_the_history_as_it_was(demo_model_path):
@@ -101,6 +105,6 @@ def test_a_failed_turn_leaves_the_history_as_it_was(demo_model_path):
         with pytest.raises(Exception, match="exceeds its n_ctx 256"):
             sched.decode("a", " again" * 10, 250)
         assert sched.transcript("a") == before
-        with Model(demo_model_path, use_extra_bufts=False) as model:
-            assert sched.decode("a", PROBE, 8).tokens == recompute(model, before, PROBE, 8)
+        assert kv_tokens(sched, "a") == len(before) - 1
+        check_greedy(demo_model_path, before, PROBE, sched.decode("a", PROBE, 8).tokens)
         assert first.tokens

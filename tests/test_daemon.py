@@ -19,7 +19,8 @@ from kvrt.serve.client import Client, ConnectionLost, DaemonReplyError
 from kvrt.serve.daemon import Daemon, DaemonError, check_socket_path
 from kvrt.serve.estimate import ModelShape, context_estimate
 from kvrt.serve.ledger import VramLedger
-from kvrt.serve.protocol import MAX_LINE, ProtocolError, escape_prompt, parse_fields, parse_line, unescape_prompt
+from kvrt.serve.protocol import (MAX_LINE, DecodeOptions, ProtocolError, escape_prompt, parse_fields, parse_line,
+                                 unescape_prompt)
 from kvrt.serve.scheduler import Scheduler
 
 N_CTX = 256
@@ -47,6 +48,11 @@ N_CTX = 256
     (b"REGISTER a /m.gguf 512 colour=red\n", "BAD_ARGS"),
     (b"REGISTER a /m.gguf policy=grow policy=shift\n", "BAD_ARGS"),
     (b"REGISTER a /m.gguf 512 min_ctx=-1\n", "BAD_NUMBER"),
+    (b"DECODE a 5 temperature=hot -- hi\n", "BAD_NUMBER"),
+    (b"DECODE a 5 stream=yes -- hi\n", "BAD_ARGS"),
+    (b"DECODE a 5 seed=1 seed=2 -- hi\n", "BAD_ARGS"),
+    (b'DECODE a 5 stop="" -- hi\n', "BAD_ARGS"),
+    (b"CANCEL\n", "BAD_ARGS"),
     (b"HELP \xff\xfe\n", "BAD_UTF8"),
     (b"HELP\x00\n", "BAD_ARGS"),
     (b"x" * (MAX_LINE + 10), "LINE_TOO_LONG"),
@@ -65,7 +71,13 @@ def test_well_formed_lines():
     assert parse_line(b"REGISTER a /m.gguf 2048 policy=grow min_ctx=300\n").args == (
         "a", "/m.gguf", 2048, "grow", 300, None)
     assert parse_line(b"REGISTER a /m.gguf keep=4 policy=shift\n").args == ("a", "/m.gguf", 4096, "shift", None, 4)
-    assert parse_line(b"DECODE a 24  two  spaces\\nand a line\n").args == ("a", 24, " two  spaces\nand a line")
+    assert parse_line(b"DECODE a 24  two  spaces\\nand a line\n").args == (
+        "a", 24, " two  spaces\nand a line", DecodeOptions())
+    options = DecodeOptions(temperature=0.7, top_k=5, seed=3, stop=("a b", "x"), deadline_ms=250, stream=True)
+    assert parse_line(b'DECODE a 5 temperature=0.7 top_k=5 seed=3 stop="a b" stop=x deadline_ms=250 stream=1 '
+                      b'-- hi -- there\n').args == ("a", 5, "hi -- there", options)
+    assert parse_line(b"DECODE a 5 not=an option -- so all prompt\n").args[2:] == (
+        "not=an option -- so all prompt", DecodeOptions())
 
 
 @given(st.binary(max_size=300))

@@ -11,9 +11,10 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvrt.serve.protocol import MAX_CTX, MAX_LINE, MAX_TOKENS, Command, ProtocolError, escape_prompt, parse_line
+from kvrt.serve.protocol import (MAX_CTX, MAX_LINE, MAX_TOKENS, Command, DecodeOptions, ProtocolError, escape_prompt,
+                                 parse_line)
 
-VERBS = ("HELP", "STATUS", "LIST", "QUIT", "REGISTER", "UNREGISTER", "METRICS", "FORK", "DECODE")
+VERBS = ("HELP", "STATUS", "LIST", "QUIT", "REGISTER", "UNREGISTER", "METRICS", "FORK", "DECODE", "CANCEL")
 WORDS = st.one_of(
     st.sampled_from(VERBS + tuple(v.lower() for v in VERBS)),
     st.text(max_size=12),
@@ -37,12 +38,15 @@ def parse_or_refuse(raw: bytes) -> Command | None:
 def check_ranges(command: Command) -> None:
     """What the protocol promises about a parsed command's arguments."""
     if command.verb == "REGISTER":
-        agent, model, n_ctx = command.args
+        agent, model, n_ctx, policy, min_ctx, keep = command.args
         assert agent and model and type(n_ctx) is int and 1 <= n_ctx <= MAX_CTX
+        assert policy in ("refuse", "shift", "grow")
+        assert min_ctx is None or 1 <= min_ctx <= MAX_CTX
+        assert keep is None or 0 <= keep <= MAX_CTX
     elif command.verb == "DECODE":
-        agent, n_tokens, prompt = command.args
+        agent, n_tokens, prompt, options = command.args
         assert agent and type(n_tokens) is int and 1 <= n_tokens <= MAX_TOKENS
-        assert isinstance(prompt, str) and prompt
+        assert isinstance(prompt, str) and prompt and isinstance(options, DecodeOptions)
     else:
         assert all(isinstance(a, str) and a for a in command.args)
 
@@ -79,11 +83,9 @@ PROMPTS = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characte
 @example("line one\nline two \\ with a backslash")
 def test_a_decode_prompt_survives_escaping(prompt):
     command = parse_line(f"DECODE agent 7 {escape_prompt(prompt)}\n".encode())
-    assert command.args == ("agent", 7, prompt)
+    assert command.args == ("agent", 7, prompt, DecodeOptions())
 
 
-@pytest.mark.xfail(strict=True, reason="kvrt/serve/protocol.py bug found by the fuzzer: parse_line strips the whole line, "
-                                       "so a DECODE prompt loses its trailing whitespace (reported to its owner)")
 def test_a_decode_prompt_keeps_its_trailing_whitespace():
     prompt = "The answer is "
     assert parse_line(f"DECODE agent 7 {escape_prompt(prompt)}\n".encode()).args[2] == prompt

@@ -58,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default=None,
                         help="keep agents across restarts: their state is saved here (on swap-out and at shutdown) "
                              "and restored at start")
+    parser.add_argument("--batch-slots", type=int, default=0,
+                        help="decode each model's agents together in one batch per step, up to this many turns at "
+                             "once, in one shared context of --batch-cells cells (0: one context per agent, swapped)")
+    parser.add_argument("--batch-cells", type=int, default=8192, help="cells of a model's shared batch context")
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="clients served at once; more get ERR TOO_MANY_CONNECTIONS")
     parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
@@ -87,6 +91,7 @@ def _run_http(args: argparse.Namespace) -> int:
 
 
 def _run_socket(args: argparse.Namespace) -> int:
+    from kvrt.serve.batched import BatchConfig, BatchedScheduler
     from kvrt.serve.budget import choose_budget
     from kvrt.serve.daemon import Daemon
     from kvrt.serve.estimate import load_vram_table
@@ -99,8 +104,15 @@ def _run_socket(args: argparse.Namespace) -> int:
     budget = choose_budget(args.capacity_bytes, args.admit_percent)
     ledger = VramLedger(budget.capacity_bytes, admit_percent=args.admit_percent,
                         reconcile_every_s=args.reconcile_s if budget.source == "nvml" else None)
-    scheduler = Scheduler(ledger, ModelRegistry(ledger, n_gpu_layers=args.n_gpu_layers, table=table),
-                          n_threads=args.threads, state_dir=args.state_dir)
+    registry = ModelRegistry(ledger, n_gpu_layers=args.n_gpu_layers, table=table)
+    scheduler: Scheduler | BatchedScheduler
+    if args.batch_slots:
+        if args.state_dir:
+            raise KvrtError("--state-dir keeps per-agent contexts; it cannot be combined with --batch-slots")
+        scheduler = BatchedScheduler(ledger, registry, config=BatchConfig(
+            n_ctx=args.batch_cells, n_seq_max=args.batch_slots, n_threads=args.threads))
+    else:
+        scheduler = Scheduler(ledger, registry, n_threads=args.threads, state_dir=args.state_dir)
     try:
         daemon = Daemon(args.socket, scheduler, budget=budget, max_connections=args.max_connections,
                         idle_timeout_s=args.idle_timeout_s or None)

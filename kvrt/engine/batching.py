@@ -358,11 +358,13 @@ class Engine:
     def _pick(self, live: Live, choice: Choice, row: int) -> None:
         token = choice.sampler.sample(self.ctx, row)
         if token in live.request.stop_token_ids:
+            choice.ended_by = token
             self._finish(live, choice, "stop")
             return
         k = live.request.logprobs
         logprob = token_logprobs(self.ctx.logits(row), token, k) if k is not None else None
         done = choice.stream.accept(token)
+        choice.ended_by = choice.stream.eog_token
         if choice.stream.finish_reason != "eog":
             live.stream.push(TokenEvent(choice.index, token, choice.release(), logprob))
         if done:
@@ -377,7 +379,7 @@ class Engine:
         choice.sampler.close()
         self.cache.release(choice.slot)
         live.stream.push(ChoiceEnd(choice.index, reason, choice.stream.text, tuple(choice.stream.tokens),
-                                   choice.rest()))
+                                   choice.rest(), choice.ended_by))
 
     def _finish_all(self, live: Live, reason: str, error: KvrtError | None = None) -> None:
         if live.pin:

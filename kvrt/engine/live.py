@@ -39,6 +39,7 @@ class Choice:
     pending: int | None = None
     sent: int = 0
     finish_reason: str | None = None
+    ended_by: int | None = None  # a sampled token that ended it without being output (eog, a stop token id)
 
     def release(self) -> str:
         """Text that can go out now: everything new, less what could still begin a stop string."""

@@ -122,6 +122,9 @@ class ChoiceEnd:
 
     ``rest`` is the end of ``text`` that no :class:`TokenEvent` released (held back, or
     flushed at the end): the choice's TokenEvent texts followed by ``rest`` are ``text``.
+    ``ended_by`` is the sampled token that ended the choice and is not in ``tokens`` (an
+    end-of-generation token or one of ``stop_token_ids``), so ``tokens`` + ``ended_by`` is
+    everything the model chose.
     """
 
     index: int
@@ -129,6 +132,7 @@ class ChoiceEnd:
     text: str
     tokens: tuple[int, ...]
     rest: str = ""
+    ended_by: int | None = None
 
 
 @dataclass(frozen=True)

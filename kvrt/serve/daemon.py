@@ -1,8 +1,9 @@
 """``kvrt serve``: one process owns the GPU and speaks lmxd's protocol on a Unix socket.
 
 Many clients at once (a thread per connection; the scheduler serialises device work
-and keeps it fair), requests answered in :mod:`kvrt.serve.protocol`'s form, and a bad line
-from one client gets an ``ERR`` line without touching anyone else's state.
+and keeps it fair, or batches it), requests answered by :class:`kvrt.serve.handler.Handler`
+in :mod:`kvrt.serve.protocol`'s form, and a bad line from one client gets an ``ERR`` line
+without touching anyone else's state.
 
 The socket is created owner-only (0600) inside a directory that is checked first (it
 must exist, belong to us or root, and not be writable by others unless sticky like
@@ -33,22 +34,17 @@ from pathlib import Path
 from typing import Any
 
 from kvrt.errors import KvrtError
+from kvrt.serve.batched import BatchedScheduler
 from kvrt.serve.budget import Budget
+from kvrt.serve.handler import Handler
 from kvrt.serve.protocol import (
-    HELP_LINES,
     MAX_LINE,
-    SCHEMA,
-    Command,
     ProtocolError,
     error_line,
-    error_reply,
     line_too_long,
-    ok_line,
     parse_line,
     reply,
-    response_block,
 )
-from kvrt.serve.results import Percentiles
 from kvrt.serve.scheduler import Scheduler
 
 log = logging.getLogger("kvrt.serve.daemon")
@@ -91,116 +87,6 @@ def check_socket_path(path: str | os.PathLike[str]) -> Path:
         finally:
             probe.close()
     return target
-
-
-class Handler:
-    """Turns parsed commands into reply lines against one scheduler (no sockets here)."""
-
-    def __init__(self, scheduler: Scheduler, budget: Budget | None = None,
-                 connection_fields: Callable[[], dict[str, Any]] | None = None) -> None:
-        self.scheduler = scheduler
-        self.budget = budget
-        self.connection_fields = connection_fields
-
-    def execute(self, command: Command) -> list[str]:
-        try:
-            return getattr(self, f"_{command.verb.lower()}")(*command.args)
-        except Exception as exc:  # a bug must cost one reply, not the daemon
-            if not isinstance(exc, KvrtError):
-                log.exception("internal error on %s", command.verb)
-            return [error_reply(exc)]
-
-    def _help(self) -> list[str]:
-        return [ok_line(schema=SCHEMA), *(f"OK {line}" for line in HELP_LINES)]
-
-    def _status(self) -> list[str]:
-        ledger = self.scheduler.ledger.reconcile()
-        agents = self.scheduler.agents()
-        device = ledger.device
-        lines = [
-            ok_line(schema=SCHEMA),
-            ok_line(ledger_max_bytes=ledger.max_bytes, ledger_allocated_bytes=ledger.allocated_bytes,
-                    ledger_free_bytes=ledger.free_bytes, external_bytes=ledger.external_bytes,
-                    admit_percent=self.scheduler.ledger.admit_percent,
-                    ledger_source=self.budget.source if self.budget else None,
-                    ledger_share_percent=self.budget.share_percent if self.budget else None),
-            ok_line(nvml_total_bytes=device.total_bytes if device else None,
-                    nvml_used_bytes=device.used_bytes if device else None,
-                    drift_bytes=ledger.drift_bytes, reconciliations=ledger.reconciliations),
-            ok_line(agents=len(agents), active=sum(a.state == "active" for a in agents),
-                    swapped=sum(a.state == "swapped" for a in agents),
-                    models=len(self.scheduler.registry.models())),
-        ]
-        if self.connection_fields is not None:
-            lines.append(ok_line(**self.connection_fields()))
-        lines += self._state_lines()
-        for entry in self.scheduler.registry.models():
-            lines.append(ok_line(model=entry.path.name, refcount=entry.refcount,
-                                 reserved_bytes=entry.reservation.nbytes, estimated_bytes=entry.estimated_bytes,
-                                 measured_bytes=entry.measured_bytes, estimate=entry.estimate_source))
-        return lines
-
-    def _state_lines(self) -> list[str]:
-        """Where agents' state is saved, how many were restored at start, and each one skipped and why."""
-        store = self.scheduler.store
-        if store is None:
-            return []
-        problems = self.scheduler.state_problems
-        return [ok_line(state_dir=str(store.directory), state_restored=self.scheduler.state_restored,
-                        state_skipped=len(problems)),
-                *(ok_line(state_skipped_agent=p.agent_id, state_skipped_file=p.file, reason=p.reason)
-                  for p in problems)]
-
-    def _list(self) -> list[str]:
-        agents = self.scheduler.agents()
-        return [ok_line(agents=len(agents)), *(
-            ok_line(agent=a.agent_id, model=a.model, n_ctx=a.n_ctx, state=a.state, held_tokens=a.held_tokens,
-                    context_bytes=a.context_bytes, queued=a.queued, requests=a.requests, policy=a.policy,
-                    max_ctx=a.max_ctx)
-            for a in agents)]
-
-    def _register(self, agent_id: str, model_path: str, n_ctx: int, policy: str, min_ctx: int | None,
-                  keep: int | None) -> list[str]:
-        info = self.scheduler.register(agent_id, model_path, n_ctx, policy=policy, min_ctx=min_ctx, keep=keep)
-        return [ok_line("registered", agent=agent_id, model=info.model, n_ctx=info.n_ctx,
-                        weights_bytes=info.weights_bytes, context_bytes=info.context_bytes,
-                        estimate=info.estimate, policy=info.policy, max_ctx=info.max_ctx)]
-
-    def _unregister(self, agent_id: str) -> list[str]:
-        self.scheduler.unregister(agent_id)
-        return [ok_line("unregistered", agent=agent_id)]
-
-    def _decode(self, agent_id: str, n_tokens: int, prompt: str) -> list[str]:
-        result = self.scheduler.decode(agent_id, prompt, n_tokens)
-        m = result.metrics
-        return [
-            ok_line(schema=SCHEMA),
-            ok_line(call="DECODE", agent_id=agent_id),
-            ok_line(prompt_tokens=m.prompt_tokens, generated_tokens=m.generated_tokens,
-                    stop_on_eos=result.finish_reason == "eog", finish_reason=result.finish_reason),
-            ok_line(elapsed_ms=m.latency_ms, queue_wait_ms=m.queue_wait_ms, decode_ms=m.decode_ms),
-            ok_line(kv_swap_evicted=",".join(result.evicted) or "none", kv_swap_restored=result.restored,
-                    swap_out_bytes=m.swap_out_bytes, swap_out_ms=m.swap_out_ms,
-                    swap_in_bytes=m.swap_in_bytes, swap_in_ms=m.swap_in_ms),
-            *response_block(result.text),
-        ]
-
-    def _metrics(self, agent_id: str | None = None) -> list[str]:
-        stats = self.scheduler.metrics(agent_id)
-        fields: dict[str, Any] = {}
-        for name, value in vars(stats).items():
-            if isinstance(value, Percentiles):
-                fields.update({f"{name[:-3]}_{pct}_ms": v for pct, v in vars(value).items()})
-            else:
-                fields[name] = value
-        return [ok_line(agent=agent_id or "all", **fields)]
-
-    def _fork(self, source_id: str, agent_id: str) -> list[str]:
-        info = self.scheduler.fork(source_id, agent_id)
-        return [ok_line("forked", agent=agent_id, source=source_id, held_tokens=info.held_tokens)]
-
-    def _quit(self) -> list[str]:
-        return [ok_line("bye")]
 
 
 DEFAULT_MAX_CONNECTIONS = 256
@@ -254,7 +140,7 @@ class Daemon:
     is closed; the same timeout bounds sending a reply to a client that does not read.
     """
 
-    def __init__(self, socket_path: str | os.PathLike[str], scheduler: Scheduler, *,
+    def __init__(self, socket_path: str | os.PathLike[str], scheduler: Scheduler | BatchedScheduler, *,
                  budget: Budget | None = None, max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S) -> None:
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
@@ -338,7 +224,7 @@ class Daemon:
                 except ProtocolError as exc:
                     lines = [exc.reply()]
                 else:
-                    lines = self.handler.execute(command)
+                    lines = self.handler.execute(command, lambda line: self._send(wfile, [line], end=False))
                 if not self._send(wfile, lines) or (command is not None and command.verb == "QUIT"):
                     return
         finally:
@@ -347,10 +233,11 @@ class Daemon:
                 self._threads.discard(threading.current_thread())
 
     @staticmethod
-    def _send(wfile: Any, lines: list[str]) -> bool:
-        """Send one whole reply; False when the client has gone (or stopped reading past the idle timeout)."""
+    def _send(wfile: Any, lines: list[str], *, end: bool = True) -> bool:
+        """Send one whole reply (``end=False``: lines of one still to come); False when the client has gone
+        (or stopped reading past the idle timeout)."""
         try:
-            wfile.write(reply(*lines))
+            wfile.write(reply(*lines) if end else "".join(f"{line}\n" for line in lines).encode("utf-8"))
             wfile.flush()
         except OSError:
             return False  # the request still ran; only its reply is lost

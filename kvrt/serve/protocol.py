@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvrt.errors import ContextError, KvrtError, ModelLoadError
+from kvrt.errors import ContextError, InvalidArgument, KvrtError, ModelLoadError
 from kvrt.serve.estimate import EstimateError
 from kvrt.serve.ledger import LedgerDenied
 from kvrt.serve.results import SchedulerError
@@ -47,7 +47,9 @@ HELP_LINES = (
     "UNREGISTER <agent_id>                  remove an agent, free its memory",
     "DECODE <agent_id> <n_tokens> <prompt…>  append the prompt, generate up to n_tokens",
     "METRICS [agent_id]                     request count and p50/p95/p99 latency",
-    "FORK <source_id> <agent_id>            new agent starting from a copy of source's document",
+    "FORK <source_id> <agent_id>            new agent starting from a copy of source's history",
+    "CANCEL <agent_id>                      end the agent's running and queued requests (finish_reason=cancelled)",
+    "DECODE options, before a lone --:      temperature= top_p= top_k= seed= stop=\"..\" deadline_ms= stream=1",
     "QUIT                                   close this connection",
 )
 
@@ -72,7 +74,7 @@ class Command:
 # verb -> (minimum, maximum) number of whitespace-separated arguments (DECODE: see below)
 _ARITY: dict[str, tuple[int, int]] = {
     "HELP": (0, 0), "STATUS": (0, 0), "LIST": (0, 0), "QUIT": (0, 0),
-    "REGISTER": (2, 6), "UNREGISTER": (1, 1), "METRICS": (0, 1), "FORK": (2, 2),
+    "REGISTER": (2, 6), "UNREGISTER": (1, 1), "METRICS": (0, 1), "FORK": (2, 2), "CANCEL": (1, 1),
 }
 
 
@@ -132,8 +134,8 @@ def parse_line(raw: bytes) -> Command:
         raise ProtocolError("EMPTY", "empty request line; send HELP for the verbs")
     verb, _, rest = stripped.partition(" ")
     verb = verb.upper()
-    if verb == "DECODE":
-        return _parse_decode(rest)
+    if verb == "DECODE":  # the prompt keeps its trailing whitespace: only the line's end was stripped
+        return _parse_decode(line.lstrip().partition(" ")[2])
     if verb not in _ARITY:
         raise ProtocolError("UNKNOWN_VERB", f"unknown verb {verb[:40]!r}; send HELP for the verbs")
     args = rest.split()
@@ -173,12 +175,80 @@ def _parse_register(args: list[str]) -> Command:
     return Command("REGISTER", (args[0], args[1], n_ctx, policy, min_ctx, keep))
 
 
+@dataclass(frozen=True)
+class DecodeOptions:
+    """What a DECODE line asked for beyond lmxd's three arguments (``None``: the default)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    deadline_ms: int | None = None
+    stream: bool = False
+
+
+_OPTION = re.compile(r'([A-Za-z_]+)=("(?:[^"\\]|\\.)*"|\S+)\s*')
+_REAL = re.compile(r"^[0-9]{1,9}(\.[0-9]{1,9})?$")
+
+
+def _option(key: str, raw: str) -> Any:
+    if key in ("temperature", "top_p"):
+        if not _REAL.match(raw):
+            raise ProtocolError("BAD_NUMBER", f"{key} must be a non-negative decimal number, got {raw[:40]!r}")
+        return float(raw)
+    if key in ("top_k", "seed", "deadline_ms"):
+        return _number(raw, key, 0 if key != "deadline_ms" else 1, 2**32 - 1)
+    if key == "stream":
+        if raw not in ("0", "1"):
+            raise ProtocolError("BAD_ARGS", f"stream must be 0 or 1, got {raw[:40]!r}")
+        return raw == "1"
+    if raw.startswith('"'):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            raise ProtocolError("BAD_ARGS", f"stop value {raw[:40]!r} is not a valid JSON string") from None
+    if not raw:
+        raise ProtocolError("BAD_ARGS", "a stop string cannot be empty")
+    return raw
+
+
+def _parse_options(text: str) -> DecodeOptions | None:
+    """The ``key=value…`` words before a lone ``--``; ``None`` when ``text`` is not such a list."""
+    values: dict[str, Any] = {}
+    stops: list[str] = []
+    pos = 0
+    while pos < len(text):
+        match = _OPTION.match(text, pos)
+        if match is None:
+            return None
+        key = match.group(1)
+        if key not in DecodeOptions.__dataclass_fields__:
+            return None
+        value = _option(key, match.group(2))
+        if key == "stop":
+            stops.append(value)
+        elif key in values:
+            raise ProtocolError("BAD_ARGS", f"DECODE option {key}= given twice")
+        else:
+            values[key] = value
+        pos = match.end()
+    return DecodeOptions(**values, stop=tuple(stops))
+
+
 def _parse_decode(rest: str) -> Command:
     parts = rest.lstrip().split(" ", 2)
     if len(parts) < 3 or not parts[2].strip():
-        raise ProtocolError("BAD_ARGS", "DECODE takes <agent_id> <n_tokens> <prompt…> (a non-empty prompt)")
+        raise ProtocolError("BAD_ARGS", "DECODE takes <agent_id> <n_tokens> [key=value… --] <prompt…> "
+                                        "(a non-empty prompt)")
     agent_id, count, prompt = parts
-    return Command("DECODE", (agent_id, _number(count, "n_tokens", 1, MAX_TOKENS), unescape_prompt(prompt)))
+    options = DecodeOptions()
+    head, sep, tail = prompt.partition(" -- ")
+    if sep and tail.strip():
+        parsed = _parse_options(head.strip())
+        if parsed is not None:
+            options, prompt = parsed, tail
+    return Command("DECODE", (agent_id, _number(count, "n_tokens", 1, MAX_TOKENS), unescape_prompt(prompt), options))
 
 
 def _value(value: Any) -> str:
@@ -211,6 +281,8 @@ def error_reply(exc: BaseException) -> str:
         return line + (f" external_bytes={exc.external_bytes}" if exc.external_bytes else "")
     if isinstance(exc, (ProtocolError, SchedulerError)):
         return error_line(exc.code, str(exc))
+    if isinstance(exc, InvalidArgument):
+        return error_line("BAD_ARGS", str(exc))
     if isinstance(exc, (ModelLoadError, EstimateError)):
         return error_line("MODEL_LOAD", str(exc))
     if isinstance(exc, ContextError):
@@ -223,6 +295,11 @@ def error_reply(exc: BaseException) -> str:
 def reply(*lines: str) -> bytes:
     """A whole reply: its lines plus the ``END`` terminator, ready to send at once."""
     return ("\n".join((*lines, END)) + "\n").encode("utf-8")
+
+
+def token_line(text: str) -> str:
+    """One streamed piece of generated text (JSON-quoted, so it never breaks the line framing)."""
+    return "TOKEN text=" + json.dumps(text, ensure_ascii=False)
 
 
 def response_block(text: str) -> list[str]:

@@ -97,6 +97,12 @@ class DecodeResult:
     metrics: RequestMetrics
 
 
+def ended_early(agent_id: str, reason: str, waited_ms: float) -> DecodeResult:
+    """The result of a request that ended before it ran (``cancelled`` or ``deadline``): no tokens."""
+    metrics = RequestMetrics(agent_id, waited_ms, 0, 0.0, 0, 0.0, 0.0, 0.0, waited_ms, 0, 0)
+    return DecodeResult(agent_id, "", [], reason, (), False, metrics)
+
+
 @dataclass(frozen=True)
 class AgentInfo:
     """One agent as LIST shows it."""

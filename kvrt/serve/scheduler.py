@@ -1,12 +1,8 @@
 """Agents time-sliced on one device: per-agent queues, a bounded set of live contexts, KV swap.
 
 kvrt keeps as many live agent contexts (:class:`kvrt.serve.agent.Agent`) as the ledger
-admits; only when an agent must run and its context does not fit is the
-least-recently-used idle agent swapped out: its sequence state is captured into the
-(pinned) host pool with :class:`kvrt.state.snapshot.Snapshot`, its context freed or,
-when the incoming agent has the same model and size, handed over as it is (creating a
-context costs about as much as the restore). The state is restored, bit for bit, the
-next time the agent runs; its history stays exactly its transcript (see
+admits; :class:`kvrt.serve.residency.Residency` swaps the least recently used out to host
+memory when one more must run. An agent's history stays exactly its transcript (see
 :mod:`kvrt.serve.agent`), and its context policy decides what happens at its limit.
 
 Fairness: **least attained service by tokens** (start-time fair queueing at request
@@ -38,16 +34,28 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvrt.checks import prompt_tokens
-from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import GenerationParams, generate
 from kvrt.engine.sampling import SamplingParams
 from kvrt.serve.agent import Agent, ContextPolicy
-from kvrt.serve.estimate import DeviceMeter, context_estimate
+from kvrt.serve.estimate import context_estimate
 from kvrt.serve.ledger import LedgerDenied, VramLedger
 from kvrt.serve.registry import ModelRegistry
-from kvrt.serve.results import (AgentExists, AgentInfo, DecodeResult, Forked, InvalidArgument, MetricsSummary,
-                                Registered, RequestMetrics, SchedulerClosed, SchedulerError, UnknownAgent,
-                                check_agent_id)
+from kvrt.serve.residency import Residency, Switch
+from kvrt.serve.results import (
+    AgentExists,
+    AgentInfo,
+    DecodeResult,
+    Forked,
+    InvalidArgument,
+    MetricsSummary,
+    Registered,
+    RequestMetrics,
+    SchedulerClosed,
+    SchedulerError,
+    UnknownAgent,
+    check_agent_id,
+    ended_early,
+)
 from kvrt.serve.statedir import persist, restore_all
 from kvrt.state.agentstore import AgentStore, StateProblem
 from kvrt.state.hostpool import HostPool
@@ -58,27 +66,25 @@ log = logging.getLogger("kvrt.serve.scheduler")
 HISTORY = 100_000  # request metrics kept per scheduler for percentiles
 
 
+TextFn = Callable[[str], None]
+"""Called with each piece of a request's text as it is generated (on the worker's thread; must not block)."""
+
+
 @dataclass
 class Turn:
-    """A queued request of one agent: its prompt (text or token ids) and when to stop."""
+    """A queued request of one agent: its prompt (text or token ids), when to stop, where its text goes.
+
+    ``deadline`` is a :func:`time.monotonic` instant; a turn not started by then ends with
+    ``deadline`` (a started one runs to completion here: see :mod:`kvrt.serve.batched`
+    for token-level deadlines and cancel).
+    """
 
     prompt: str | Sequence[int]
     params: GenerationParams
     future: Future[DecodeResult]
+    deadline: float | None = None
+    on_text: TextFn | None = None
     submitted: float = field(default_factory=time.perf_counter)
-
-
-@dataclass
-class _Switch:
-    """What making an agent runnable cost (filled while activating it)."""
-
-    evicted: list[str] = field(default_factory=list)
-    restored: bool = False
-    out_bytes: int = 0
-    out_ms: float = 0.0
-    in_bytes: int = 0
-    in_ms: float = 0.0
-    context_ms: float = 0.0
 
 
 class Scheduler:
@@ -102,6 +108,8 @@ class Scheduler:
         self.flash_attn = flash_attn
         self.pool = pool
         self._agents: dict[str, Agent] = {}
+        self.residency = Residency(ledger, self._agents, pool=pool, n_ubatch=n_ubatch, n_threads=n_threads,
+                                   flash_attn=flash_attn, on_evict=lambda agent: persist(self, agent))
         self._control: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._cond = threading.Condition()
         self._clock = itertools.count(1)
@@ -140,10 +148,14 @@ class Scheduler:
         return self._call(lambda: self._fork(source_id, agent_id))
 
     def submit(self, agent_id: str, prompt: str | Sequence[int], n_tokens: int, *,
-               sampling: SamplingParams | None = None, stop: Sequence[str] = ()) -> Future[DecodeResult]:
-        """Queue ``prompt`` (appended to the agent's history) and up to ``n_tokens`` of generation."""
+               sampling: SamplingParams | None = None, stop: Sequence[str] = (), deadline: float | None = None,
+               on_text: TextFn | None = None) -> Future[DecodeResult]:
+        """Queue ``prompt`` (appended to the agent's history) and up to ``n_tokens`` of generation.
+
+        ``on_text`` receives the reply's text (here in one piece, once it is complete).
+        """
         params = GenerationParams(max_tokens=n_tokens, stop=tuple(stop), sampling=sampling or SamplingParams())
-        turn = Turn(prompt, params, Future())
+        turn = Turn(prompt, params, Future(), deadline, on_text)
         with self._cond:
             if self._closing:
                 raise SchedulerClosed("the scheduler is shutting down")
@@ -158,6 +170,17 @@ class Scheduler:
     def decode(self, agent_id: str, prompt: str | Sequence[int], n_tokens: int, *,
                sampling: SamplingParams | None = None, stop: Sequence[str] = ()) -> DecodeResult:
         return self.submit(agent_id, prompt, n_tokens, sampling=sampling, stop=stop).result()
+
+    def cancel(self, agent_id: str) -> int:
+        """End the agent's queued requests with ``cancelled``; returns how many (a running one finishes)."""
+        with self._cond:
+            agent = self._agent(agent_id)
+            turns = list(agent.queue)
+            agent.queue.clear()
+        now = time.perf_counter()
+        for turn in turns:
+            turn.future.set_result(ended_early(agent_id, "cancelled", (now - turn.submitted) * 1e3))
+        return len(turns)
 
     def transcript(self, agent_id: str) -> list[int]:
         """Every token of the agent's history, in order (what a recompute of it would prefill)."""
@@ -275,14 +298,17 @@ class Scheduler:
         if not turn.future.set_running_or_notify_cancel():
             return
         started = time.perf_counter()
-        switch = _Switch()
+        if turn.deadline is not None and time.monotonic() >= turn.deadline:
+            turn.future.set_result(ended_early(agent.agent_id, "deadline", (started - turn.submitted) * 1e3))
+            return
+        switch = Switch()
         shifted = 0
         try:
             prompt = prompt_tokens(agent.entry.model, turn.prompt, "prompt", add_special=not agent.transcript,
                                    error=InvalidArgument)
             agent.resolve_keep(len(prompt))
             plan = agent.plan(len(prompt), turn.params.max_tokens)
-            self._prepare(agent, plan.size, switch)
+            self.residency.prepare(agent, plan.size, switch)
             assert agent.context is not None
             if plan.drop:
                 agent.shift(plan)
@@ -317,128 +343,13 @@ class Scheduler:
             agent.served_tokens += len(prompt) + len(completion.tokens)
             agent.requests += 1
             self._history.append(metrics)
+        if turn.on_text is not None and completion.text:
+            turn.on_text(completion.text)
         turn.future.set_result(DecodeResult(agent.agent_id, completion.text, completion.tokens,
                                             completion.finish_reason, tuple(switch.evicted), switch.restored,
                                             metrics))
 
     # -- activation, growth and swap ----------------------------------------------------------
-    def _prepare(self, agent: Agent, size: int, switch: _Switch) -> None:
-        """Make ``agent`` live in a context of at least ``size`` cells (growing moves its state; a
-        refused growth leaves it swapped out at its old size, its state kept)."""
-        if agent.context is not None and agent.n_ctx >= size:
-            return
-        if agent.context is not None:  # grow: move the state out, then into a larger context
-            self._swap_out(agent, switch, record=False)
-            self._free_context(agent)
-        old = agent.n_ctx, agent.context_bytes
-        if size != agent.n_ctx:
-            agent.n_ctx, agent.context_bytes = size, self._estimate(agent, size)
-        try:
-            self._activate(agent, switch)
-        except BaseException:
-            if agent.context is None:
-                agent.n_ctx, agent.context_bytes = old
-            raise
-        agent.check()
-
-    def _estimate(self, agent: Agent, n_ctx: int) -> int:
-        return context_estimate(agent.entry.shape, n_ctx, self.n_ubatch).total_bytes
-
-    def _activate(self, agent: Agent, switch: _Switch) -> None:
-        """Give ``agent`` a live context holding its history, evicting LRU agents as needed."""
-        if agent.context is not None:
-            return
-        agent.persisted = False  # it is about to change: the saved state stops being current
-        owner = f"agent:{agent.agent_id}"
-        while agent.context is None:
-            try:
-                reservation = self.ledger.try_reserve(agent.context_bytes, owner)
-            except LedgerDenied:
-                victim = self._lru_victim(agent)
-                if victim is None:
-                    raise
-                self._swap_out(victim, switch)
-                if self._compatible(victim, agent):  # hand the live context over instead of re-creating it
-                    agent.context, agent.reservation = victim.context, victim.reservation
-                    victim.context = victim.reservation = None
-                    self.ledger.transfer(agent.reservation, owner)
-                else:
-                    self._free_context(victim)
-                continue
-            try:
-                t0 = time.perf_counter()
-                meter = DeviceMeter()
-                agent.context = Context(agent.entry.model, self._params(agent.n_ctx))
-                switch.context_ms = (time.perf_counter() - t0) * 1e3
-            except BaseException:
-                self.ledger.release(reservation)
-                raise
-            agent.reservation = reservation
-            self._correct(agent, meter.delta())
-        if agent.snapshot is not None:
-            t0 = time.perf_counter()
-            try:
-                agent.snapshot.restore(agent.context, 0)
-            except BaseException:
-                self._free_context(agent)  # the history stays in the snapshot for the next attempt
-                raise
-            switch.in_ms += (time.perf_counter() - t0) * 1e3
-            switch.in_bytes += agent.snapshot.nbytes
-            switch.restored = True
-            agent.snapshot.release()
-            agent.snapshot = None
-        else:
-            agent.context.clear()
-
-    def _correct(self, agent: Agent, measured: int | None) -> None:
-        """Replace the derived context estimate with what creating it took, where measurable."""
-        if measured is None or agent.reservation is None:
-            return
-        try:
-            self.ledger.resize(agent.reservation, measured)
-            agent.context_bytes = measured
-        except LedgerDenied:
-            pass  # more than estimated and the rest is taken: keep the estimate; STATUS drift shows it
-
-    def _params(self, n_ctx: int) -> ContextParams:
-        batch = min(self.n_ubatch, n_ctx)
-        return ContextParams(n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, n_threads=self.n_threads,
-                             flash_attn=self.flash_attn)
-
-    @staticmethod
-    def _compatible(victim: Agent, agent: Agent) -> bool:
-        return victim.context is not None and victim.entry is agent.entry and victim.n_ctx == agent.n_ctx
-
-    def _lru_victim(self, agent: Agent) -> Agent | None:
-        """The least recently used live agent, preferring one whose context ``agent`` can take over."""
-        live = [a for a in self._agents.values() if a.context is not None and a is not agent]
-        compatible = [a for a in live if self._compatible(a, agent)]
-        return min(compatible or live, key=lambda a: a.last_used, default=None)
-
-    def _swap_out(self, victim: Agent, switch: _Switch, *, record: bool = True) -> None:
-        """Capture the victim's KV into the host pool and empty its sequence."""
-        assert victim.context is not None
-        victim.check()
-        if victim.kv_tokens > 0:
-            t0 = time.perf_counter()
-            victim.snapshot = Snapshot.capture(victim.context, 0, tier="host", pool=self.pool,
-                                               tokens=victim.transcript[:victim.kv_tokens])
-            switch.out_ms += (time.perf_counter() - t0) * 1e3
-            switch.out_bytes += victim.snapshot.nbytes
-            victim.context.clear()
-        if record:
-            persist(self, victim)
-            switch.evicted.append(victim.agent_id)
-
-    def _free_context(self, agent: Agent) -> None:
-        if agent.context is not None:
-            agent.context.close()
-            agent.context = None
-        if agent.reservation is not None:
-            self.ledger.release(agent.reservation)
-            agent.reservation = None
-
-    # -- control operations (worker thread) ------------------------------------------------
     def _register(self, agent_id: str, model_path: str | os.PathLike[str], policy: ContextPolicy) -> Registered:
         agent = self.admit(agent_id, model_path, policy, policy.first_ctx)
         with self._cond:
@@ -482,7 +393,7 @@ class Scheduler:
     def _teardown(self, agent: Agent, error: SchedulerError) -> None:
         while agent.queue:
             agent.queue.popleft().future.set_exception(error)
-        self._free_context(agent)
+        self.residency.free(agent)
         if agent.snapshot is not None:
             agent.snapshot.release()
             agent.snapshot = None
@@ -493,7 +404,7 @@ class Scheduler:
         if agent_id in self._agents:
             raise AgentExists(f"agent {agent_id!r} is already registered")
         self._check_feasible(agent_id, source.context_bytes)
-        self._activate(source, _Switch())  # a swapped-out source is restored, then copied from its context
+        self.residency.activate(source, Switch())  # a swapped-out source is restored, then copied from its context
         assert source.context is not None
         snapshot = (Snapshot.capture(source.context, 0, tier="host", pool=self.pool,
                                      tokens=source.transcript[:source.kv_tokens])

@@ -1,0 +1,410 @@
+"""Agents decoded together: each model's agents are sequences of one shared context, one batch per step.
+
+:class:`BatchedScheduler` has the :class:`kvrt.serve.scheduler.Scheduler` interface the
+daemon uses, over one :class:`kvrt.engine.batching.Engine` per model (a unified-KV
+context of ``BatchConfig.n_ctx`` cells and ``n_seq_max`` slots, charged to the ledger
+when the model's first agent registers). Every step of an engine puts the next token of
+every decoding agent and a prompt chunk of every prefilling one into one
+``llama_decode``, so a long generation never holds the others back (token-level
+preemption), and each turn samples with its own parameters, honours its deadline and
+can be cancelled between two tokens.
+
+An agent is its transcript (see :mod:`kvrt.serve.agent`). A turn asks the engine for
+transcript + prompt; the engine's prefix cache finds the cells the agent's previous turn
+left (all of its transcript but the last sampled token) and prefills only the rest, so
+the agent's KV is always its transcript. A fork is a copy of the transcript whose first
+turn shares the parent's cells with ``seq_cp``. When cells run short the least recently
+used agent's cells are dropped and its next turn prefills its transcript again: exact,
+and the only copy made. One agent's turns run one after another, in order.
+
+Context policies: ``refuse`` and ``grow`` refuse a turn past the agent's ``n_ctx`` (in a
+shared pool an agent only ever holds the cells its tokens use, plus its running turn's
+``max_tokens``); ``shift`` drops the oldest tokens after the kept prefix from the
+transcript and the next turn recomputes what follows them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvrt.checks import prompt_tokens
+from kvrt.engine.admission import EngineConfig
+from kvrt.engine.batching import Engine
+from kvrt.engine.generation import GenerationParams
+from kvrt.engine.requests import (
+    ChoiceEnd,
+    Request,
+    RequestEnd,
+    RequestStream,
+    TokenEvent,
+)
+from kvrt.engine.sampling import SamplingParams
+from kvrt.serve.agent import ContextPolicy
+from kvrt.serve.estimate import context_estimate
+from kvrt.serve.ledger import Reservation, VramLedger
+from kvrt.serve.registry import LoadedModel, ModelRegistry
+from kvrt.serve.results import (
+    AgentExists,
+    AgentInfo,
+    ContextFull,
+    DecodeResult,
+    Forked,
+    InvalidArgument,
+    MetricsSummary,
+    Registered,
+    RequestMetrics,
+    SchedulerClosed,
+    UnknownAgent,
+    check_agent_id,
+    ended_early,
+)
+from kvrt.serve.scheduler import HISTORY, TextFn
+
+log = logging.getLogger("kvrt.serve.batched")
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """One model's shared context: ``n_ctx`` cells for all its agents, ``n_seq_max`` turns at once."""
+
+    n_ctx: int = 8192
+    n_seq_max: int = 64
+    n_batch: int = 512
+    prefill_chunk: int = 256
+    n_threads: int | None = None
+    flash_attn: str = "auto"
+
+    def engine(self) -> EngineConfig:
+        return EngineConfig(n_ctx=self.n_ctx, n_seq_max=self.n_seq_max, n_batch=self.n_batch,
+                            prefill_chunk=self.prefill_chunk, max_queue=1 << 20, n_threads=self.n_threads,
+                            flash_attn=self.flash_attn)
+
+
+@dataclass
+class _Pool:
+    """One model's engine, its ledger charge and how many agents use it."""
+
+    entry: LoadedModel
+    engine: Engine
+    reservation: Reservation
+    agents: int = 0
+
+
+@dataclass
+class _Turn:
+    prompt: str | Sequence[int]
+    params: GenerationParams
+    deadline: float | None
+    on_text: TextFn | None
+    future: Future[DecodeResult] = field(default_factory=Future)
+    submitted: float = field(default_factory=time.perf_counter)
+    tokens: list[int] = field(default_factory=list)  # the prompt's tokens, once started
+    stream: RequestStream | None = None
+    end: ChoiceEnd | None = None
+    first_token: float | None = None
+    drained: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass
+class _Agent:
+    agent_id: str
+    pool: _Pool
+    policy: ContextPolicy
+    transcript: list[int] = field(default_factory=list)
+    keep: int | None = None
+    queue: deque[_Turn] = field(default_factory=deque)
+    running: _Turn | None = None
+    served_tokens: int = 0
+    requests: int = 0
+
+
+class BatchedScheduler:
+    """Register agents on models and run their turns in continuous batches (see the module docstring)."""
+
+    store = None  # agents are not saved across restarts here
+    state_problems: tuple[object, ...] = ()
+    state_restored = 0
+
+    def __init__(self, ledger: VramLedger, registry: ModelRegistry | None = None, *,
+                 config: BatchConfig | None = None) -> None:
+        self.ledger = ledger
+        self.registry = registry or ModelRegistry(ledger)
+        self._owns_registry = registry is None
+        self.config = config or BatchConfig()
+        self._pools: dict[Path, _Pool] = {}
+        self._agents: dict[str, _Agent] = {}
+        self._lock = threading.RLock()
+        self._history: deque[RequestMetrics] = deque(maxlen=HISTORY)
+        self._closing = False
+
+    # -- agents -------------------------------------------------------------------------
+    def register(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int = 4096, *,
+                 policy: str = "refuse", min_ctx: int | None = None, keep: int | None = None) -> Registered:
+        """Admit an agent; the model's first agent loads it and charges its shared context to the ledger."""
+        check_agent_id(agent_id)
+        rules = ContextPolicy(policy, n_ctx, min_ctx, keep)
+        if n_ctx > self.config.n_ctx:
+            raise InvalidArgument(f"n_ctx {n_ctx} exceeds the {self.config.n_ctx} cells a model's agents share")
+        with self._lock:
+            self._open()
+            if agent_id in self._agents:
+                raise AgentExists(f"agent {agent_id!r} is already registered")
+            pool = self._pool(model_path)
+            pool.agents += 1
+            self._agents[agent_id] = _Agent(agent_id, pool, rules)
+        entry = pool.entry
+        return Registered(agent_id, entry.path.name, n_ctx, n_ctx, rules.mode, entry.reservation.nbytes,
+                          pool.reservation.nbytes, entry.estimate_source)
+
+    def _pool(self, model_path: str | os.PathLike[str]) -> _Pool:
+        shape, _ = self.registry.peek(model_path)
+        entry = self.registry.acquire(model_path)
+        pool = self._pools.get(entry.path)
+        if pool is not None:
+            self.registry.release(entry)  # the pool holds the model's one reference
+            return pool
+        try:
+            cells = context_estimate(shape, self.config.n_ctx, min(self.config.n_batch, 512)).total_bytes
+            reservation = self.ledger.try_reserve(cells, f"batch:{entry.path.name}")
+        except BaseException:
+            self.registry.release(entry)
+            raise
+        try:
+            engine = Engine(entry.model, self.config.engine())
+        except BaseException:
+            self.ledger.release(reservation)
+            self.registry.release(entry)
+            raise
+        pool = self._pools[entry.path] = _Pool(entry, engine, reservation)
+        return pool
+
+    def unregister(self, agent_id: str) -> None:
+        """Remove an agent: its queued and running turns end ``cancelled``; the last agent of a model frees it."""
+        with self._lock:
+            agent = self._agent(agent_id)
+            del self._agents[agent_id]
+        self._cancel(agent)
+        with self._lock:
+            agent.pool.agents -= 1
+            idle = agent.pool.agents == 0 and agent.running is None and self._pools.pop(agent.pool.entry.path, None)
+        if idle:
+            self._close_pool(agent.pool)
+
+    def _close_pool(self, pool: _Pool) -> None:
+        """Stop a pool's engine and free it (never under the lock: the engine's thread may be waiting for it)."""
+        pool.engine.close()
+        self.ledger.release(pool.reservation)
+        self.registry.release(pool.entry)
+
+    def fork(self, source_id: str, agent_id: str) -> Forked:
+        """A new agent with a copy of the source's history; its first turn shares the source's cells."""
+        check_agent_id(agent_id)
+        with self._lock:
+            self._open()
+            source = self._agent(source_id)
+            if agent_id in self._agents:
+                raise AgentExists(f"agent {agent_id!r} is already registered")
+            source.pool.agents += 1
+            self._agents[agent_id] = _Agent(agent_id, source.pool, source.policy, list(source.transcript),
+                                            source.keep, served_tokens=source.served_tokens)
+        return Forked(agent_id, source_id, len(source.transcript))
+
+    def transcript(self, agent_id: str) -> list[int]:
+        with self._lock:
+            return list(self._agent(agent_id).transcript)
+
+    # -- turns --------------------------------------------------------------------------
+    def submit(self, agent_id: str, prompt: str | Sequence[int], n_tokens: int, *,
+               sampling: SamplingParams | None = None, stop: Sequence[str] = (), deadline: float | None = None,
+               on_text: TextFn | None = None) -> Future[DecodeResult]:
+        """Queue a turn; it starts when the agent's previous one ended. ``on_text`` gets each piece of
+        text as it is sampled (on the engine's thread; it must not block or raise)."""
+        params = GenerationParams(max_tokens=n_tokens, stop=tuple(stop), sampling=sampling or SamplingParams())
+        turn = _Turn(prompt, params, deadline, on_text)
+        with self._lock:
+            self._open()
+            agent = self._agent(agent_id)
+            agent.queue.append(turn)
+            started = self._start(agent) if agent.running is None else None
+        self._drain(agent, started)
+        return turn.future
+
+    def decode(self, agent_id: str, prompt: str | Sequence[int], n_tokens: int, *,
+               sampling: SamplingParams | None = None, stop: Sequence[str] = ()) -> DecodeResult:
+        return self.submit(agent_id, prompt, n_tokens, sampling=sampling, stop=stop).result()
+
+    def cancel(self, agent_id: str) -> int:
+        """End the agent's running turn (between two tokens) and its queued ones; returns how many."""
+        with self._lock:
+            agent = self._agent(agent_id)
+        return self._cancel(agent)
+
+    def _cancel(self, agent: _Agent) -> int:
+        with self._lock:
+            turns = list(agent.queue)
+            agent.queue.clear()
+            running = agent.running
+        now = time.perf_counter()
+        for turn in turns:
+            turn.future.set_result(ended_early(agent.agent_id, "cancelled", (now - turn.submitted) * 1e3))
+        if running is not None and running.stream is not None:
+            running.stream.cancel()
+        return len(turns) + (running is not None)
+
+    def _start(self, agent: _Agent) -> _Turn | None:
+        """Send the agent's next queued turn to its engine (lock held); refusals end that turn and go on.
+
+        Returns the turn started: the caller drains it once the lock is released (its first
+        events may have come before its stream was known).
+        """
+        while agent.queue and agent.running is None:
+            turn = agent.queue.popleft()
+            if not turn.future.set_running_or_notify_cancel():
+                continue
+            try:
+                request = self._request(agent, turn)
+                agent.running = turn
+                turn.stream = agent.pool.engine.submit(request, notify=lambda a=agent, t=turn: self._drain(a, t))
+            except BaseException as exc:
+                agent.running = None
+                turn.future.set_exception(exc)
+                continue
+            return turn
+        return None
+
+    def _request(self, agent: _Agent, turn: _Turn) -> Request:
+        """The engine request for ``turn``: transcript + prompt, after the agent's policy made room."""
+        model = agent.pool.entry.model
+        turn.tokens = prompt_tokens(model, turn.prompt, "prompt", add_special=not agent.transcript,
+                                    error=InvalidArgument)
+        if agent.policy.mode == "shift" and agent.keep is None:
+            agent.keep = agent.policy.keep if agent.policy.keep is not None else min(len(turn.tokens),
+                                                                                     agent.policy.n_ctx // 2)
+        needed = len(agent.transcript) + len(turn.tokens) + turn.params.max_tokens
+        limit = agent.policy.n_ctx
+        if needed > limit:
+            why = (f"agent {agent.agent_id!r} holds {len(agent.transcript)} tokens; + prompt ({len(turn.tokens)}) "
+                   f"+ max_tokens ({turn.params.max_tokens}) = {needed} exceeds its n_ctx {limit}")
+            keep = agent.keep or 0
+            if agent.policy.mode != "shift":
+                raise ContextFull(f"{why} (policy={agent.policy.mode}: register with policy=shift or a larger n_ctx)")
+            if keep + len(turn.tokens) + turn.params.max_tokens > limit:
+                raise ContextFull(f"{why}, and keeping its first {keep} tokens leaves no room to shift into")
+            held = len(agent.transcript) - keep
+            drop = max(needed - limit, held // 2)
+            del agent.transcript[keep:keep + drop]
+        deadline = turn.deadline
+        return Request(agent.transcript + turn.tokens, turn.params, deadline=deadline)
+
+    def _drain(self, agent: _Agent, turn: _Turn | None) -> None:
+        """Forward the turn's engine events (engine thread, or the starter right after the submit)."""
+        if turn is None or turn.stream is None:
+            return  # called before submit returned; the submitter drains next
+        with turn.drained:
+            while (event := turn.stream.poll()) is not None:
+                if isinstance(event, TokenEvent):
+                    turn.first_token = turn.first_token or time.perf_counter()
+                    if event.text and turn.on_text is not None:
+                        turn.on_text(event.text)
+                elif isinstance(event, ChoiceEnd):
+                    turn.end = event
+                    if event.rest and turn.on_text is not None:
+                        turn.on_text(event.rest)
+                else:
+                    self._finish(agent, turn, event)
+
+    def _finish(self, agent: _Agent, turn: _Turn, end: RequestEnd) -> None:
+        """The turn is over: the history grows by the prompt and every sampled token; the next turn starts."""
+        done = time.perf_counter()
+        choice = turn.end
+        if end.error is None and choice is not None:
+            sampled = list(choice.tokens) + ([choice.ended_by] if choice.ended_by is not None else [])
+            metrics = RequestMetrics(
+                agent.agent_id, 0.0, 0, 0.0, 0, 0.0, 0.0, (done - turn.submitted) * 1e3, (done - turn.submitted) * 1e3,
+                len(turn.tokens), len(choice.tokens),
+                first_token_ms=((turn.first_token or done) - turn.submitted) * 1e3)
+            result = DecodeResult(agent.agent_id, choice.text, list(choice.tokens), choice.finish_reason, (), False,
+                                  metrics)
+        started = None
+        with self._lock:
+            agent.running = None
+            if end.error is None and choice is not None:
+                agent.transcript += turn.tokens + sampled
+                agent.served_tokens += len(turn.tokens) + len(choice.tokens)
+                agent.requests += 1
+                self._history.append(metrics)
+            if self._agents.get(agent.agent_id) is agent:
+                started = self._start(agent)
+            elif agent.pool.agents == 0 and self._pools.pop(agent.pool.entry.path, None) is not None:
+                # its last agent left mid-turn: free it off this (the engine's) thread, which close() joins
+                threading.Thread(target=self._close_pool, args=(agent.pool,), daemon=True).start()
+        if end.error is not None or choice is None:
+            turn.future.set_exception(end.error or SchedulerClosed("the turn ended without a result"))
+        else:
+            turn.future.set_result(result)
+        self._drain(agent, started)
+
+    # -- views and shutdown ---------------------------------------------------------------
+    def _agent(self, agent_id: str) -> _Agent:
+        agent = self._agents.get(agent_id)
+        if agent is None:
+            raise UnknownAgent(f"no agent {agent_id!r} is registered")
+        return agent
+
+    def _open(self) -> None:
+        if self._closing:
+            raise SchedulerClosed("the scheduler is shutting down")
+
+    def agents(self) -> list[AgentInfo]:
+        with self._lock:
+            return [AgentInfo(a.agent_id, a.pool.entry.path.name, a.policy.n_ctx, a.policy.n_ctx, a.policy.mode,
+                              "active" if a.running is not None else "cached", 0, len(a.queue), a.requests,
+                              a.served_tokens, len(a.transcript))
+                    for a in self._agents.values()]
+
+    def metrics(self, agent_id: str | None = None) -> MetricsSummary:
+        with self._lock:
+            if agent_id is not None:
+                self._agent(agent_id)
+            return MetricsSummary.of([m for m in self._history if agent_id is None or m.agent_id == agent_id])
+
+    def history(self) -> list[RequestMetrics]:
+        with self._lock:
+            return list(self._history)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Cancel every turn, stop the engines (running turns end with an error) and free what they held."""
+        with self._lock:
+            if self._closing:
+                return True
+            self._closing = True
+            agents = list(self._agents.values())
+        for agent in agents:
+            with self._lock:
+                turns = list(agent.queue)
+                agent.queue.clear()
+            for turn in turns:
+                turn.future.set_exception(SchedulerClosed("the scheduler shut down before this request ran"))
+        with self._lock:
+            pools = list(self._pools.values())
+            self._pools.clear()
+            self._agents.clear()
+        for pool in pools:
+            self._close_pool(pool)
+        if self._owns_registry:
+            self.registry.close()
+        return True
+
+    def __enter__(self) -> BatchedScheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
