@@ -21,7 +21,7 @@ from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import prefill
 from kvrt.engine.model import Model
-from kvrt.errors import InvalidArgument
+from kvrt.errors import InvalidArgument, KvrtError
 from kvrt.serve.ledger import VramLedger
 from kvrt.state.hostpool import HostBuffer, HostPool, HostPoolError
 from kvrt.state.snapshot import Snapshot, SnapshotMismatch
@@ -382,3 +382,49 @@ def test_many_cycles_leak_no_host_memory_and_no_ledger_bytes(tiny_model, agent):
         assert pool.stats.bytes_in_use == 0
         assert stager.stats.contexts <= 2
     assert ledger.allocated_bytes == 0
+
+
+def test_prefetch_bench_serves_every_arm_the_same_tokens(tiny_model_path, tmp_path):
+    """`kvrt bench prefetch` on the tiny model: all arms agree token for token; every figure and bound is written
+    (the bounds themselves are not judged on a shared CPU's timings)."""
+    import argparse
+    import json
+
+    from kvrt_bench import prefetch
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    prefetch.add_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path), "--model", str(tiny_model_path), "--agents", "12",
+                              "--tokens", "40-90", "--decode-tokens", "2", "--rounds", "3", "--threads", "1",
+                              "--staging-contexts", "2", "--flash-attn", "off,on"])
+    assert prefetch.run(args) in (0, 3)
+    result = json.loads((tmp_path / "prefetch.json").read_text())
+    assert [m["flash_attn"] for m in result["modes"]] == ["off", "on"]
+    for mode in result["modes"]:
+        assert mode["tokens_identical_to_resident"] == {"sync": True, "prefetch": True}
+        assert mode["stager"]["activations"] == mode["stager"]["swap_outs"] == 12 * 3
+        assert mode["stager"]["contexts"] == 2 and mode["stager"]["failed"] == 0
+        assert set(mode["goals"]) <= set(mode["figures"])
+    assert json.loads((tmp_path / "bounds.json").read_text())["bounds"]
+    rows = (tmp_path / "activations.csv").read_text().splitlines()
+    assert len(rows) == 1 + 2 * 2 * 12 * 3  # two modes x two swapping arms x agents x rounds
+
+
+def test_prefetch_bench_refuses_agents_that_would_all_fit(tiny_model_path, tmp_path):
+    import argparse
+
+    from kvrt_bench import prefetch
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    prefetch.add_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path), "--model", str(tiny_model_path), "--agents", "2",
+                              "--tokens", "20-30", "--staging-contexts", "4", "--threads", "1"])
+    with pytest.raises(KvrtError, match="fit in the 4 staging contexts"):
+        prefetch.run(args)
+    with pytest.raises(KvrtError, match="LO-HI"):
+        prefetch.token_range("8k-32k")
+    args.staging_contexts = 1
+    with pytest.raises(KvrtError, match="staging-contexts must be at least 2"):
+        prefetch.run(args)

@@ -32,15 +32,13 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from enum import Enum
 
 from kvrt.checks import check_int, shown
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.model import Model
-from kvrt.errors import InvalidArgument, KvrtError
+from kvrt.errors import InvalidArgument
 from kvrt.serve.estimate import ModelShape, context_estimate
-from kvrt.serve.ledger import Reservation, VramLedger
+from kvrt.serve.ledger import VramLedger
 from kvrt.state.hostpool import HostPool, default_pool
 from kvrt.state.snapshot import Snapshot, SnapshotMismatch
 from kvrt.state.staging_records import (
@@ -53,31 +51,10 @@ from kvrt.state.staging_records import (
     StagingFull,
     SwapOutRecord,
 )
+from kvrt.state.staging_slots import Slot, SlotState, SlotTable
 
 __all__ = ["ActivationRecord", "KVStager", "PendingSnapshot", "PrefetchCancelled", "PrefetchHandle",
            "StagerStats", "StagingError", "StagingFull", "SwapOutRecord"]
-
-
-class SlotState(Enum):
-    CREATING = "creating"
-    FREE = "free"
-    STAGING = "staging"
-    READY = "ready"
-    ACTIVE = "active"
-    DRAINING = "draining"
-
-
-@dataclass
-class _Slot:
-    """One staging context, its ledger charge, and who holds it now."""
-
-    index: int
-    reservation: Reservation
-    ctx: Context | None = None
-    state: SlotState = SlotState.FREE
-    handle: PrefetchHandle | None = None  # the prefetch that owns it while staging or ready
-    next: PrefetchHandle | None = None  # a prefetch queued behind its drain
-    drain: PendingSnapshot | None = None  # the capture running while draining
 
 
 def _ms_since(t0: float) -> float:
@@ -112,8 +89,8 @@ class KVStager:
         self.host_pool = host_pool or default_pool()
         self.name = name
         self._lock = threading.Lock()
-        self._slots: list[_Slot] = []
-        self._active: dict[int, _Slot] = {}  # id(ctx) -> slot, for the contexts the caller holds
+        self._table = SlotTable(ledger, self.max_contexts, self.context_bytes, name)
+        self._active: dict[int, Slot] = {}  # id(ctx) -> slot, for the contexts the caller holds
         self._closed = False
         self._copy_in = ThreadPoolExecutor(1, thread_name_prefix=f"kvrt-{name}-in")
         self._copy_out = ThreadPoolExecutor(1, thread_name_prefix=f"kvrt-{name}-out")
@@ -121,15 +98,6 @@ class KVStager:
         self._times = {"restore": 0.0, "exposed": 0.0, "capture": 0.0}
 
     # capacity ---------------------------------------------------------------------------
-    def _charge(self) -> _Slot:
-        """A new slot charged to the ledger (lock held); raises LedgerDenied, changing nothing."""
-        index = len(self._slots)
-        reservation = self.ledger.try_reserve(self.context_bytes, f"staging:{self.name}#{index}")
-        slot = _Slot(index, reservation)
-        self._slots.append(slot)
-        self._totals["contexts"] += 1
-        return slot
-
     def warm(self, n: int) -> int:
         """Charge and create staging contexts now until ``n`` exist (at most ``max_contexts``); returns how many.
 
@@ -140,43 +108,18 @@ class KVStager:
         while True:
             with self._lock:
                 self._check_open()
-                if len(self._slots) >= n:
-                    return len(self._slots)
-                slot = self._charge()
+                if len(self._table.slots) >= n:
+                    return len(self._table.slots)
+                slot = self._table.charge()
                 slot.state = SlotState.CREATING
             try:
                 ctx = Context(self.model, self.params)
             except BaseException:
                 with self._lock:
-                    self._slots.remove(slot)
-                    self._totals["contexts"] -= 1
-                    self.ledger.release(slot.reservation)
+                    self._table.discard(slot)
                 raise
             with self._lock:
                 slot.ctx, slot.state = ctx, SlotState.FREE
-
-    def _claim(self, handle: PrefetchHandle) -> tuple[_Slot, PendingSnapshot | None]:
-        """A slot for ``handle`` (lock held): a free one, a new one, or one behind its drain."""
-        free = [s for s in self._slots if s.state is SlotState.FREE]
-        if free:
-            slot = min(free, key=lambda s: s.ctx is None)  # one that has its context first
-            slot.state, slot.handle = SlotState.STAGING, handle
-            return slot, None
-        denied: KvrtError | None = None
-        if len(self._slots) < self.max_contexts:
-            try:
-                slot = self._charge()
-            except KvrtError as exc:
-                denied = exc
-            else:
-                slot.state, slot.handle = SlotState.STAGING, handle
-                return slot, None
-        draining = [s for s in self._slots if s.state is SlotState.DRAINING and s.next is None]
-        if draining:
-            slot = draining[0]
-            slot.next = handle
-            return slot, slot.drain
-        raise StagingFull(dict(Counter(s.state.value for s in self._slots)), self.max_contexts, denied)
 
     # prefetch and activation ------------------------------------------------------------
     def prefetch(self, source: Snapshot | PendingSnapshot) -> PrefetchHandle:
@@ -203,13 +146,13 @@ class KVStager:
         handle = PrefetchHandle(self, source)
         with self._lock:
             self._check_open()
-            slot, after = self._claim(handle)
+            slot, after = self._table.claim(handle)
             self._totals["prefetches"] += 1
             handle._slot = slot
             handle._future = self._copy_in.submit(self._stage, handle, slot, after)
         return handle
 
-    def _stage(self, handle: PrefetchHandle, slot: _Slot, after: PendingSnapshot | None) -> ActivationRecord:
+    def _stage(self, handle: PrefetchHandle, slot: Slot, after: PendingSnapshot | None) -> ActivationRecord:
         """Copy-in thread: restore ``handle``'s state into ``slot`` (owned once its drain, if any, is over)."""
         t0 = time.perf_counter()
         if after is not None:
@@ -240,16 +183,10 @@ class KVStager:
             return record
         except BaseException as exc:
             with self._lock:
-                self._free_locked(slot)
+                self._table.free(slot)
                 if not isinstance(exc, PrefetchCancelled):
                     self._totals["failed"] += 1
             raise
-
-    def _free_locked(self, slot: _Slot) -> None:
-        """Empty ``slot``'s context (cell metadata only) and put it in the free set (lock held, nobody uses it)."""
-        if slot.ctx is not None and not slot.ctx.closed and slot.ctx.seq_pos_max(0) >= 0:
-            slot.ctx.seq_rm(0)
-        slot.state, slot.handle = SlotState.FREE, None
 
     def activate(self, handle: PrefetchHandle, timeout: float | None = None) -> Context:
         """Wait for what is left of ``handle``'s copy and hand over its context, holding the agent.
@@ -295,7 +232,7 @@ class KVStager:
                 self._totals["cancelled"] += 1
                 slot = handle._slot
                 if slot is not None and slot.handle is handle and slot.state is SlotState.READY:
-                    self._free_locked(slot)  # a running or queued copy frees its slot itself when it sees the flag
+                    self._table.free(slot)  # a running or queued copy frees its slot itself when it sees the flag
             return True
 
     # swap-out ---------------------------------------------------------------------------
@@ -319,7 +256,7 @@ class KVStager:
             self._copy_out.submit(self._drain, slot, future, tokens)
             return pending
 
-    def _drain(self, slot: _Slot, future: Future[tuple[Snapshot, SwapOutRecord]], tokens: Sequence[int] | None) -> None:
+    def _drain(self, slot: Slot, future: Future[tuple[Snapshot, SwapOutRecord]], tokens: Sequence[int] | None) -> None:
         """Copy-out thread: capture ``slot``'s agent; free the slot (or hand it to the prefetch behind it)."""
         assert slot.ctx is not None
         t0 = time.perf_counter()
@@ -334,7 +271,7 @@ class KVStager:
             return
         record = SwapOutRecord(snapshot.n_tokens, snapshot.nbytes, _ms_since(t0))
         with self._lock:
-            self._free_locked(slot)
+            self._table.free(slot)
             slot.drain = None
             if slot.next is not None:
                 slot.state, slot.handle, slot.next = SlotState.STAGING, slot.next, None
@@ -348,14 +285,14 @@ class KVStager:
     def stats(self) -> StagerStats:
         with self._lock:
             t = self._totals
-            return StagerStats(t["contexts"], t["prefetches"], t["activations"], t["ready_at_activation"],
+            return StagerStats(self._table.charged, t["prefetches"], t["activations"], t["ready_at_activation"],
                                t["cancelled"], t["failed"], t["swap_outs"], t["bytes_in"], t["bytes_out"],
                                self._times["restore"], self._times["exposed"], self._times["capture"])
 
     def states(self) -> dict[str, int]:
         """How many staging contexts are in each state now."""
         with self._lock:
-            return dict(Counter(s.state.value for s in self._slots))
+            return self._table.counts()
 
     @property
     def closed(self) -> bool:
@@ -376,7 +313,7 @@ class KVStager:
             if self._closed:
                 return
             self._closed = True
-            for slot in self._slots:
+            for slot in self._table.slots:
                 for handle in (slot.handle, slot.next):
                     if handle is not None and not handle.cancelled.is_set():
                         handle.cancelled.set()
@@ -384,12 +321,8 @@ class KVStager:
         self._copy_out.shutdown(wait=True)
         self._copy_in.shutdown(wait=True)
         with self._lock:
-            slots, self._slots = self._slots, []
             self._active.clear()
-        for slot in slots:
-            if slot.ctx is not None:
-                slot.ctx.close()
-            self.ledger.release(slot.reservation)
+            self._table.close()
 
     def __enter__(self) -> KVStager:
         return self
@@ -398,5 +331,5 @@ class KVStager:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"KVStager({self.name!r}, {len(self._slots)}/{self.max_contexts} contexts of "
+        return (f"KVStager({self.name!r}, {len(self._table.slots)}/{self.max_contexts} contexts of "
                 f"{self.context_bytes} B{', closed' if self._closed else ''})")

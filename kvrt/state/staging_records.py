@@ -18,7 +18,8 @@ from kvrt.errors import KvrtError
 from kvrt.state.snapshot import Snapshot
 
 if TYPE_CHECKING:
-    from kvrt.state.staging import KVStager, _Slot
+    from kvrt.state.staging import KVStager
+    from kvrt.state.staging_slots import Slot
 
 
 class StagingError(KvrtError):
@@ -144,7 +145,7 @@ class PrefetchHandle:
     def __init__(self, stager: KVStager, source: Snapshot | PendingSnapshot) -> None:
         self._stager = stager
         self.source = source
-        self._slot: _Slot | None = None  # the staging context it owns, set by prefetch
+        self._slot: Slot | None = None  # the staging context it owns, set by prefetch
         self._future: Future[ActivationRecord] | None = None
         self.cancelled = threading.Event()
         self.activated = False
