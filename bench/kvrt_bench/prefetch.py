@@ -347,6 +347,8 @@ def report(flash_attn: str, work: Workload, runs: dict[str, ArmRun], ideal: Idea
     bounds += [ideal_bound(f"{where}: {arm} throughput fraction of the resident arm",
                            figures[f"{arm}_throughput_fraction_of_resident"].median, "all agents resident")
                for arm in ("prefetch", "sync")]
+    whole_run = {f"{arm}_throughput_fraction_of_resident": sum(res.round_ms[parity::2]) / sum(runs[arm].round_ms)
+                 for arm, parity in (("sync", 0), ("prefetch", 1))}  # the same tokens served by both sides
     identical = {arm: all(tokens == res.turns[key] for key, tokens in runs[arm].turns.items())
                  for arm in ("sync", "prefetch")}
     return {
@@ -359,6 +361,7 @@ def report(flash_attn: str, work: Workload, runs: dict[str, ArmRun], ideal: Idea
         "goals": {k: {"median": figures[k].median, "goal": f"{op} {v}",
                       "met": figures[k].median <= v if op == "<=" else figures[k].median >= v}
                   for k, (op, v) in goals.items()},
+        "whole_run": whole_run,
         "round_ms": {arm: run.round_ms for arm, run in runs.items()},
         "tokens_identical_to_resident": identical,
         "stager": asdict(stats),
@@ -424,4 +427,5 @@ def print_mode(mode: dict[str, Any]) -> None:
                                          if goal else ""))
     for arm in ("sync", "prefetch", "resident_even", "resident_odd"):
         print(f"  {arm}: {show(arm + '_tokens_per_s', '.1f')} tok/s")
+    print("  whole run: " + ", ".join(f"{k} {v:.3f}" for k, v in mode["whole_run"].items()))
     print(f"  tokens identical to the resident arm: {mode['tokens_identical_to_resident']}", flush=True)

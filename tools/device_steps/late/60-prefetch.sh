@@ -7,7 +7,7 @@
 # resident (every agent in a context of its own: the yardstick). Ideal = a pinned host-to-device copy of the
 # same bytes through CuPy, measured in the same run.
 #   flash attention on:  PREFETCH_AGENTS (50) agents, at most PREFETCH_TIMEOUT_ON (110) s -> $RESULTS/prefetch/fa-on/
-#   flash attention off: PREFETCH_AGENTS_OFF (20) agents (llama.cpp moves V one row at a time then: ~130 ms a
+#   flash attention off: PREFETCH_AGENTS_OFF (12) agents (llama.cpp moves V one row at a time then: ~130 ms a
 #                        capture or restore whatever its size), at most PREFETCH_TIMEOUT_OFF (70) s -> .../fa-off/
 # Budget ~180 s (model load ~10 s per run, pinning ~57 GB of host memory for 50 agents' states).
 # What to check (prefetch.json, modes[0].goals): prefetch_exposed_over_ideal <= 0.10, sync_swap_in_over_ideal
@@ -35,5 +35,5 @@ run_mode() {  # run_mode FLASH AGENTS LIMIT_S
   [ "$rc" = 0 ] || status=$rc
 }
 run_mode on "${PREFETCH_AGENTS:-50}" "${PREFETCH_TIMEOUT_ON:-110}"
-run_mode off "${PREFETCH_AGENTS_OFF:-20}" "${PREFETCH_TIMEOUT_OFF:-70}"
+run_mode off "${PREFETCH_AGENTS_OFF:-12}" "${PREFETCH_TIMEOUT_OFF:-70}"
 exit "$status"
