@@ -7,7 +7,7 @@ question: its prefix match evaluates the question as one call, then samples each
 with its greedy sampler. Both sides use the same settings (``SETTINGS``).
 
 What each mode promises (kvrt.branching.branches' docstring):
-- shared with ``exact=True``: token-identical;
+- ``exact=True``, shared or isolated: token-identical;
 - isolated, a restore from a disk snapshot, Pipeline watermark branches: token-identical
   while the document fits the model's sliding window; past it, a restored branch agrees
   up to its first near-tie (the branch that continues in the prefill context stays exact);
@@ -182,6 +182,13 @@ def test_shared_exact_is_the_auto_choice_and_exact_with_a_pool(demo_model, long_
         result = fanout(demo_model, long_doc, BRANCHES[:2], exact=True, pool=pool)
     assert result.mode == "shared"
     assert tokens_of(result) == [r.tokens for r in long_refs[:2]]
+
+
+def test_isolated_exact_is_token_identical(demo_model, long_doc, long_refs):
+    """exact=True in isolated mode takes no snapshot: every branch continues in the prefill context, trimmed back."""
+    result = fanout(demo_model, long_doc, BRANCHES, mode="isolated", exact=True, **SETTINGS)
+    assert (result.mode, result.exact, result.fork_ms, result.contexts_created) == ("isolated", True, 0.0, 1)
+    assert tokens_of(result) == [r.tokens for r in long_refs]
 
 
 def test_shared_batched_agrees_up_to_near_ties(demo_model, long_doc, long_refs):

@@ -8,7 +8,9 @@ Two modes:
     :class:`kvrt.state.contextpool.ContextPool`; branches could run later or elsewhere. The
     first branch continues in the context that prefilled (its sequence already holds
     exactly the snapshot's state, so a restore would copy the bytes onto themselves),
-    and one branch alone needs no snapshot at all.
+    and one branch alone needs no snapshot at all. ``exact=True`` takes no snapshot: every
+    branch continues in the prefill context, one after another, each trimmed back to the
+    document when it ends.
 ``shared``
     all branches live in one context with unified KV. The document is prefilled once
     into sequence 0 and ``llama_memory_seq_cp`` makes every branch share its cells: no
@@ -32,19 +34,26 @@ logits depend on how tokens are split into decode calls, so that split is part o
 reference; a one-call prefill of document + prompt is a different computation.
 Under those settings:
 
-- ``mode="shared", exact=True`` is bit-exact for any ``flash_attn`` and thread count:
-  each branch sees exactly the cells a from-scratch evaluation holds.
-- ``mode="isolated"`` is bit-exact with ``flash_attn="off"`` (the default). With flash
-  attention on several threads it drifts after a few tokens on models with
-  sliding-window layers (Gemma 3): a restored state puts the window's cells at other
-  slots than the prefill did and that kernel's split sum then runs in another order.
+- ``exact=True`` is token-identical in either mode, with flash attention off or on: each
+  branch sees exactly the cells a from-scratch evaluation holds, at the same slots.
+- ``mode="isolated", exact=False`` (and any restore of a :class:`Snapshot`: from disk, in a
+  :class:`kvrt.branching.pipeline.Pipeline`) is token-identical while document + branch
+  fit the model's sliding window, or on a model without sliding-window layers. Past the
+  window (Gemma 3's is 512 tokens) a restored branch agrees up to its first near-tie:
+  llama.cpp's sequence state leaves out the cells the window masks, so the restore
+  packs the window's cells at other slots than the prefill did and the attention sums
+  run in another order. The first branch, which continues in the prefill context, stays
+  exact. With flash attention on, past the window, more restored branches drift (that
+  kernel's split sum follows the layout too).
 - ``mode="shared", exact=False`` (the default whenever several branches fit one context)
   trades token identity for batched decode: llama.cpp's kernels are not batch
   invariant, so a branch decoded beside its siblings gets other float sums, and greedy
   tokens flip at near-ties between the top two logits. Every branch agrees with the
-  reference up to its first near-tie; how many branches diverge is measured in
-  bench/RESULTS.md. Pass ``exact=True`` for token identity at the cost of decoding the
-  branches one at a time.
+  reference up to its first near-tie; one branch alone is exact.
+
+How many branches diverge, and what ``exact=True`` costs, is measured in bench/RESULTS.md.
+Ask for ``exact=True`` when the outputs must be the reference's: the branches then decode
+one at a time, and none starts before the one before it has finished.
 
 ``mode="auto"`` picks shared whenever there are several branches and their combined
 cells fit one context (and, given a ``pool``, its contexts), isolated otherwise; the
@@ -91,16 +100,20 @@ LLAMA_MAX_SEQ = 256  # llama.cpp's limit on the sequences of one context
 
 @dataclass
 class FanoutResult:
-    """What a fan-out did: the mode it chose and why, its timings (ms) and every branch's result, in order."""
+    """What a fan-out did: the mode it chose and why, its timings (ms) and every branch's result, in order.
+
+    ``exact`` is whether the branches ran the exact way (``exact=True``: one after another
+    in the prefill context, token-identical to a from-scratch evaluation).
+    """
 
     mode: str
     reason: str
     exact: bool
     doc_tokens: int
     prefill_ms: float
-    fork_ms: float  # isolated: snapshot capture (0 for one branch); shared: host time of every branch's seq_cp
-    # (with fork="during_prefill" spent inside prefill_ms, under the GPU's compute: see fork_overlapped; 0 with
-    # exact=True, which forks nothing)
+    fork_ms: float  # isolated: snapshot capture; shared: host time of every branch's seq_cp (with
+    # fork="during_prefill" spent inside prefill_ms, under the GPU's compute: see fork_overlapped); 0 with one
+    # branch or exact=True, which share nothing
     branches: list[BranchResult]
     total_ms: float
     contexts_created: int = 0  # llama.cpp contexts this call created (0 when the pool had them ready)
@@ -228,10 +241,13 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
            fork: Fork = "during_prefill") -> FanoutResult:
     """Prefill ``document`` once and generate every branch after it (see the module docstring).
 
-    Token identity with a from-scratch evaluation holds for ``mode="isolated"`` and for
-    ``exact=True``; the default ``exact=False`` lets a shared fan-out decode its branches
-    together, which flips greedy tokens at near-ties (module docstring). ``exact`` has no
-    effect in isolated mode, which always runs each branch alone.
+    ``exact=True`` makes every branch token-identical to a from-scratch evaluation under
+    the same settings, in either mode (module docstring): the branches then run one after
+    another in the context that prefilled, each trimmed back to the document, and
+    isolated mode takes no snapshot. The default ``exact=False`` lets a shared fan-out
+    decode its branches together, which flips greedy tokens at near-ties, and an isolated
+    one restore a snapshot per branch, exact only within the sliding window.
+    ``FanoutResult.exact`` says which ran.
 
     ``fork`` (shared mode): when the branches get the document's cells, chunk by chunk
     during the prefill (default) or all at once after it; ``exact=True`` needs no fork.
@@ -304,11 +320,12 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
                 t_pre = time.perf_counter()
                 prefill(ctx, doc, batch=batch, progress=progress, logits_last=False)
                 t_fork = time.perf_counter()
-                if len(items) > 1:  # the other branches restore this; the first continues right here
+                here = len(items) if exact else 1  # branches that continue in this context, one after another
+                if here < len(items):  # the other branches restore this
                     snapshot = Snapshot.capture(ctx, 0, pool=host_pool, tokens=doc)
                 t_captured = time.perf_counter()
-                results = run_branches(ctx, items[:1], [0], len(doc), exact=True, t_start=t_captured,
-                                       prompts=prompts[:1], batch=batch)
+                results = run_branches(ctx, items[:here], [0] * here, len(doc), exact=True, t_start=t_captured,
+                                       prompts=prompts[:here], batch=batch)
             if snapshot is not None:
                 results += [run_isolated(snapshot, b, pool, prompt=prompt, batch=batch)
                             for b, prompt in zip(items[1:], prompts[1:])]
@@ -318,5 +335,6 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
         made = pool.created - created
         if own_pool:
             pool.close()
-    return FanoutResult("isolated", reason, True, len(doc), (t_fork - t_pre) * 1e3, (t_captured - t_fork) * 1e3,
-                        results, (time.perf_counter() - t0) * 1e3, made)
+    fork_ms = (t_captured - t_fork) * 1e3 if here < len(items) else 0.0
+    return FanoutResult("isolated", reason, exact, len(doc), (t_fork - t_pre) * 1e3, fork_ms, results,
+                        (time.perf_counter() - t0) * 1e3, made)

@@ -17,11 +17,12 @@ number). A failing node fails its dependents at once, with the cause chained; no
 that do not depend on it finish normally. Branches run in isolated mode (own context
 each), which is what lets them start while the prefill is still running.
 
-Exactness: a branch at watermark K is token-identical (greedy) to a fresh llama.cpp
-context that decodes the document's segments as the prefill cut them (at every
+Exactness: a branch at watermark K continues a restored snapshot, so it is what
+:mod:`kvrt.branching.branches` says of isolated mode: token-identical (greedy) to a fresh
+llama.cpp context that decodes the document's segments as the prefill cut them (at every
 watermark up to K, each in ``n_batch`` chunks), then the prompt, then each generated
-token, with the same settings and ``flash_attn="off"`` (the default; see
-:mod:`kvrt.branching.branches` for why flash attention breaks this after a restore).
+token, with the same settings and ``flash_attn="off"`` (the default), while K + the
+branch fit the model's sliding window; past it, equal up to the first near-tie.
 """
 
 from __future__ import annotations

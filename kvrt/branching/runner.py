@@ -118,8 +118,9 @@ def run_branches(ctx: Context, branches: Sequence[Branch], seqs: Sequence[int], 
                    None if b.params.sampling.greedy else Sampler(b.params.sampling),
                    SequenceStream(model, b.params), t0, start_pos + len(prompt))
              for b, seq, prompt in zip(branches, seqs, prompts)]
-    own = batch is None or batch.capacity < max(ctx.n_batch, len(lives))
-    work = Batch(max(ctx.n_batch, len(lives))) if own else batch
+    need = max(ctx.n_batch, len(lives))
+    work = batch if batch is not None and batch.capacity >= need else Batch(need)
+    own = work is not batch
     try:
         if not exact:
             return _decode(ctx, branches, lives, work)
