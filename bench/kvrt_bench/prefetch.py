@@ -27,7 +27,10 @@ fraction of the ideal (prefetch; goal <= 0.10), the synchronous swap-in over the
 (goal <= 1.05), the copy-in bandwidth while staging as a fraction of the ideal's (goal >= 0.9),
 and each swapping arm's throughput as a fraction of the resident arm's (goal >= 0.9).
 Bounds (exit 3): no swap-in faster than the ideal, no staging copy faster than the ideal's
-bandwidth, no arm faster than the resident one.
+bandwidth. The throughput against the resident arm is a goal, not a bound: the resident arm
+is the issue's yardstick, not a physical ideal (a swapping arm decodes in a few reused,
+cache-warm contexts, the resident one in N cold ones; on the 2-core CPU one run measured the
+prefetch arm at 1.06-1.12 of it).
 """
 
 from __future__ import annotations
@@ -344,9 +347,6 @@ def report(flash_attn: str, work: Workload, runs: dict[str, ArmRun], ideal: Idea
                           figures["sync_swap_in_fraction_of_ideal"].median, ideal.kind),
               ideal_bound(f"{where}: staging copy-in fraction of the ideal's bandwidth",
                           figures["staging_fraction_of_ideal_bandwidth"].median, ideal.kind)]
-    bounds += [ideal_bound(f"{where}: {arm} throughput fraction of the resident arm",
-                           figures[f"{arm}_throughput_fraction_of_resident"].median, "all agents resident")
-               for arm in ("prefetch", "sync")]
     whole_run = {f"{arm}_throughput_fraction_of_resident": sum(res.round_ms[parity::2]) / sum(runs[arm].round_ms)
                  for arm, parity in (("sync", 0), ("prefetch", 1))}  # the same tokens served by both sides
     identical = {arm: all(tokens == res.turns[key] for key, tokens in runs[arm].turns.items())
