@@ -86,9 +86,11 @@ def serve_round_robin(stager: KVStager, snapshots: list[Snapshot], pendings: lis
     out: list[list[int]] = [[] for _ in snapshots]
     handle = stager.prefetch(sources[order[0]])
     swapped: list[Snapshot] = []
+    records = []
     for step, agent in enumerate(order):
         ctx = stager.activate(handle)
         assert handle.record is not None and handle.record.nbytes > 0
+        records.append(handle.record)
         if step + 1 < len(order):
             handle = stager.prefetch(sources[order[step + 1]])
         tokens = greedy(ctx, pendings[agent], per_turn)
@@ -100,6 +102,12 @@ def serve_round_robin(stager: KVStager, snapshots: list[Snapshot], pendings: lis
             swapped.append(source.result())
     for snap in swapped:
         snap.release()
+    stats = stager.stats  # the totals are the sums of what each activation reported
+    assert stats.bytes_in == sum(r.nbytes for r in records)
+    assert stats.exposed_ms == pytest.approx(sum(r.exposed_ms for r in records))
+    assert stats.restore_ms == pytest.approx(sum(r.restore_ms for r in records))
+    assert all(r.restore_ms <= r.stage_ms for r in records)
+    assert 0.0 <= stats.hidden_fraction <= 1.0
     return out
 
 
@@ -428,3 +436,23 @@ def test_prefetch_bench_refuses_agents_that_would_all_fit(tiny_model_path, tmp_p
     args.staging_contexts = 1
     with pytest.raises(KvrtError, match="staging-contexts must be at least 2"):
         prefetch.run(args)
+
+
+def test_warm_creates_charged_contexts_up_to_what_the_ledger_admits(tiny_model, agent):
+    from kvrt.serve.ledger import LedgerDenied
+
+    snap, _ = agent
+    one = 10 << 20
+    ledger = VramLedger(capacity_bytes=one + one // 2)
+    with KVStager(tiny_model, TINY, ledger, max_contexts=3, context_bytes=one) as stager:
+        with pytest.raises(LedgerDenied):
+            stager.warm(2)
+        assert stager.stats.contexts == 1 and ledger.allocated_bytes == one and stager.states() == {"free": 1}
+        handle = stager.prefetch(snap)
+        stager.activate(handle)
+        assert handle.record is not None and not handle.record.created_context  # the warmed context was used
+    with KVStager(tiny_model, TINY, VramLedger(capacity_bytes=64 * GB)) as cold:
+        handle = cold.prefetch(snap)
+        cold.activate(handle)
+        assert handle.record is not None and handle.record.created_context
+    assert ledger.allocated_bytes == 0

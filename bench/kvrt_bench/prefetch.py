@@ -364,7 +364,7 @@ def report(flash_attn: str, work: Workload, runs: dict[str, ArmRun], ideal: Idea
         "whole_run": whole_run,
         "round_ms": {arm: run.round_ms for arm, run in runs.items()},
         "tokens_identical_to_resident": identical,
-        "stager": asdict(stats),
+        "stager": asdict(stats) | {"hidden_fraction": stats.hidden_fraction},
         "bounds": bounds,
         "activations": [asdict(a) for run in runs.values() for a in run.activations],
     }

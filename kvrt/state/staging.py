@@ -163,7 +163,7 @@ class KVStager:
                     raise StagingError("the staging context this prefetch waited for could not be drained "
                                        "(its agent stays active there)")
         try:
-            if handle.cancelled.is_set() or self._closed:
+            if handle.cancelled or self._closed:
                 raise PrefetchCancelled("cancelled before its copy started")
             created = slot.ctx is None
             if slot.ctx is None:
@@ -175,7 +175,7 @@ class KVStager:
             record = ActivationRecord(snapshot.n_tokens, snapshot.nbytes, _ms_since(t_restore), _ms_since(t0),
                                       0.0, created)
             with self._lock:
-                if handle.cancelled.is_set():
+                if handle.cancelled:
                     raise PrefetchCancelled("cancelled while its copy ran")
                 slot.state = SlotState.READY
                 self._totals["bytes_in"] += record.nbytes
@@ -200,7 +200,7 @@ class KVStager:
             raise StagingError(f"{shown(handle)} is not a prefetch of this stager")
         if handle.activated:
             raise StagingError(f"{handle!r} was already activated")
-        if handle.cancelled.is_set():
+        if handle.cancelled:
             raise PrefetchCancelled(f"{handle!r} was cancelled")
         self._check_open()
         assert handle._future is not None and handle._slot is not None
@@ -210,7 +210,7 @@ class KVStager:
         exposed = _ms_since(t0)
         with self._lock:
             slot = handle._slot
-            if handle.cancelled.is_set() or slot.handle is not handle or slot.state is not SlotState.READY:
+            if handle.cancelled or slot.handle is not handle or slot.state is not SlotState.READY:
                 raise PrefetchCancelled(f"{handle!r} was cancelled while it was activated")
             assert slot.ctx is not None
             slot.state, slot.handle = SlotState.ACTIVE, None
@@ -227,8 +227,8 @@ class KVStager:
         with self._lock:
             if handle.activated:
                 return False
-            if not handle.cancelled.is_set():
-                handle.cancelled.set()
+            if not handle.cancelled:
+                handle._cancelled.set()
                 self._totals["cancelled"] += 1
                 slot = handle._slot
                 if slot is not None and slot.handle is handle and slot.state is SlotState.READY:
@@ -315,8 +315,8 @@ class KVStager:
             self._closed = True
             for slot in self._table.slots:
                 for handle in (slot.handle, slot.next):
-                    if handle is not None and not handle.cancelled.is_set():
-                        handle.cancelled.set()
+                    if handle is not None and not handle.cancelled:
+                        handle._cancelled.set()
                         self._totals["cancelled"] += 1
         self._copy_out.shutdown(wait=True)
         self._copy_in.shutdown(wait=True)

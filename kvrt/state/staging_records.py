@@ -65,16 +65,6 @@ class ActivationRecord:
     exposed_ms: float
     created_context: bool
 
-    @property
-    def hidden_fraction(self) -> float:
-        """The share of the staging job that ran under the caller's other work (1.0: none exposed)."""
-        return 1.0 - min(self.exposed_ms / self.stage_ms, 1.0) if self.stage_ms > 0 else 1.0
-
-    @property
-    def restore_gbps(self) -> float:
-        """Bytes restored per second (GB/s) while staging, bookkeeping included."""
-        return self.nbytes / self.restore_ms / 1e6 if self.restore_ms > 0 else 0.0
-
 
 @dataclass(frozen=True)
 class SwapOutRecord:
@@ -147,13 +137,17 @@ class PrefetchHandle:
         self.source = source
         self._slot: Slot | None = None  # the staging context it owns, set by prefetch
         self._future: Future[ActivationRecord] | None = None
-        self.cancelled = threading.Event()
+        self._cancelled = threading.Event()  # set under the stager's lock
         self.activated = False
         self.record: ActivationRecord | None = None  # set by activate
 
     @property
     def stager(self) -> KVStager:
         return self._stager
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
 
     def ready(self) -> bool:
         """Whether the staged state is in its context now (activation would not wait)."""
@@ -164,6 +158,6 @@ class PrefetchHandle:
         return self._stager._cancel(self)
 
     def __repr__(self) -> str:
-        state = ("activated" if self.activated else "cancelled" if self.cancelled.is_set()
+        state = ("activated" if self.activated else "cancelled" if self.cancelled
                  else "ready" if self.ready() else "staging")
         return f"PrefetchHandle({state})"
