@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
 from kvrt.serve.ledger import DeviceMemory, LedgerDenied, LedgerError, Reservation, VramLedger, validate_size
+from kvrt.serve.protocol import error_reply
 
 CAP = 1_000_000
 
@@ -165,7 +166,7 @@ def test_deny_reply_is_the_seeds_line():
     ledger.try_reserve(60, "model:a")
     with pytest.raises(LedgerDenied) as info:
         ledger.try_reserve(50, "model:b")
-    assert info.value.reply() == ("ERR VRAM_LEDGER_DENY code=CAP ledger_max_bytes=100 "
+    assert error_reply(info.value) == ("ERR VRAM_LEDGER_DENY code=CAP ledger_max_bytes=100 "
                                   "ledger_allocated_bytes=60 request_table_bytes=50")
     assert "request 50 B" in str(info.value) and "leaves 40 B" in str(info.value)
 
@@ -220,7 +221,7 @@ def test_capacity_from_the_device_and_other_processes_count_after_reconcile():
     assert snap.external_bytes == 300 and snap.drift_bytes == 20 and snap.reconciliations == 1
     with pytest.raises(LedgerDenied) as info:
         ledger.try_reserve(200, "model:b")  # 500 + 300 + 200 > 900
-    assert info.value.reply().endswith("external_bytes=300")
+    assert error_reply(info.value).endswith("external_bytes=300")
     ledger.try_reserve(100, "model:c")
     ledger.release(mine)
 
