@@ -69,7 +69,17 @@ class KVStager:
     from the GGUF header, :func:`kvrt.serve.estimate.context_estimate`). ``host_pool``
     receives swapped-out states (default: the process's pool).
 
-    Use from one caller thread (the scheduler's); the worker threads are the stager's.
+    Use from one caller thread (the scheduler's); the worker threads are the stager's. A
+    scheduler that knows its queue one turn ahead runs (``kvrt bench prefetch`` does)::
+
+        handle = stager.prefetch(state[first])
+        for agent, following in turns:                    # following: the agent after this one
+            ctx = stager.activate(handle)                  # waits only for what is left of the copy
+            handle = stager.prefetch(state[following])     # a Snapshot, or a PendingSnapshot still running
+            ...decode agent's turn in ctx...
+            state[agent] = stager.swap_out_async(ctx)      # captured while the next agent computes
+
+    Two staging contexts are the least this needs (the active agent's and the next one's).
     """
 
     def __init__(self, model: Model, params: ContextParams, ledger: VramLedger, *, max_contexts: int = 2,
