@@ -23,35 +23,29 @@ from typing import Any
 
 import numpy as np
 
+from kvrt.engine.geometry import ModelGeometry
+
 ALIGN = 256  # byte alignment of each tensor inside the layer blob (cuBLAS/vector-load friendly)
 WEIGHT_DTYPE = np.float16
 
 
-@dataclass(frozen=True)
-class LayerShape:
-    """The per-layer dimensions; :meth:`preset` copies one of :mod:`kvrt.modelfiles.testmodels`' shapes."""
+@dataclass(frozen=True, kw_only=True)
+class LayerShape(ModelGeometry):
+    """One transformer layer's geometry (``n_layer`` 1, no vocabulary) and what its compute needs besides."""
 
-    n_embd: int
-    n_head: int
-    n_head_kv: int
+    n_layer: int = 1
+    n_vocab: int = 0
     n_ff: int
     rope_base: float = 10000.0
     eps: float = 1e-6
 
     @classmethod
     def preset(cls, name: str) -> LayerShape:
+        """A layer of one of :mod:`kvrt.modelfiles.testmodels`' shapes."""
         from kvrt.modelfiles.testmodels import PRESETS  # noqa: PLC0415
 
         s = PRESETS[name]
-        return cls(s.n_embd, s.n_head, s.n_head_kv, s.n_ff, s.rope_freq_base)
-
-    @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
-
-    @property
-    def kv_dim(self) -> int:
-        return self.n_head_kv * self.head_dim
+        return cls(n_embd=s.n_embd, n_head=s.n_head, n_head_kv=s.n_head_kv, n_ff=s.n_ff, rope_base=s.rope_freq_base)
 
     def tensors(self) -> dict[str, tuple[int, ...]]:
         """Name -> shape of every weight; matrices are (in, out) so a GEMM is ``x @ w``."""
