@@ -182,6 +182,10 @@ class Scheduler:
             turn.future.set_result(ended_early(agent_id, "cancelled", (now - turn.submitted) * 1e3))
         return len(turns)
 
+    def activate(self, agent_id: str) -> None:
+        """Give the agent its live context now (swapping others out if needed), ahead of its next turn."""
+        self._call(lambda: self.residency.activate(self._agent(agent_id), Switch()))
+
     def transcript(self, agent_id: str) -> list[int]:
         """Every token of the agent's history, in order (what a recompute of it would prefill)."""
         return self._call(lambda: list(self._agent(agent_id).transcript))
