@@ -4,7 +4,8 @@ On the demo model: a document of ``--doc-tokens`` tokens of the Gemma terms, ``-
 questions, ``--tokens`` greedy tokens each. The reference is a ``llama_cpp.Llama`` (this
 machine's extra-buffer verdict) reset between branches: document, then question, then each
 token. For every mode it prints the branches that differ (first differing token and the
-reference's top-two logit margin there) and the fan-out's wall time (median of ``--repeats``).
+reference's top-two logit margin there), the fan-out's wall time and the time after the
+document's prefill and fork (medians of ``--repeats``).
 
     python tools/fanout_exactness.py --flash-attn off --threads 2
 """
@@ -35,7 +36,8 @@ QUESTIONS = [
     "\n\nA title for this text:",
     "\n\nThe most important word in the document is",
 ]
-MODES = {"isolated": ("isolated", False), "shared": ("shared", False), "shared-exact": ("shared", True)}
+MODES = {"isolated": ("isolated", False), "isolated-exact": ("isolated", True), "shared": ("shared", False),
+         "shared-exact": ("shared", True)}
 
 
 def reference(llm, doc: list[int], prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
@@ -102,8 +104,10 @@ def main() -> None:
             k = first_divergence(tokens, want)
             if k is not None:
                 diverged[f"q{i}"] = {"token": k, "margin": round(margins[k], 3)}
+        branch_phase = [(r.total_ms - r.prefill_ms - r.fork_ms) / 1e3 for r in results]
         report[name] = {"diverged": diverged, "median_s": round(statistics.median(times), 3),
-                        "times_s": [round(t, 3) for t in times]}
+                        "times_s": [round(t, 3) for t in times],
+                        "branch_phase_median_s": round(statistics.median(branch_phase), 3)}
         print(name, json.dumps(report[name]), flush=True)
     print(json.dumps(report))
 
