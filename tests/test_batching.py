@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from kvrt import Context, GenerationParams, generate
+from kvrt.engine.admission import WAIT_FOR_SHARE
 from kvrt.engine.batching import Engine, EngineConfig
+from kvrt.engine.prefix_cache import common_prefix
 from kvrt.engine.requests import (
     ChoiceEnd,
     EngineError,
@@ -165,6 +167,35 @@ def test_prefix_reuse_prefills_only_the_suffix_and_gives_the_same_tokens(tiny_mo
     assert after.prefilled_tokens - before.prefilled_tokens == len(second) - len(shared)
     assert after.reused_tokens - before.reused_tokens == len(shared)
     assert result.choices[0].tokens == alone(tiny_model, second, params)
+
+
+def test_requests_arriving_together_prefill_their_shared_preamble_once(tiny_model):
+    shared = text_tokens(tiny_model, "A shared system prompt that several agents start with. " * 2)
+    prompts = [shared + text_tokens(tiny_model, f"Agent {i} asks something.", bos=False) for i in range(3)]
+    gate = StepGate()
+    with engine(tiny_model, gate) as eng:
+        streams = [eng.submit(Request(p, greedy(4))) for p in prompts]  # all queued before any step runs
+        gate.open()
+        results = [s.result(WAIT_S) for s in streams]
+        stats = eng.stats()
+    common = min(common_prefix(prompts[0], p) for p in prompts[1:])
+    assert common >= len(shared)
+    cached = [r.end.cached_tokens for r in results]
+    assert cached[0] == 0 and all(common - WAIT_FOR_SHARE < c <= common for c in cached[1:])
+    assert stats.prefilled_tokens == sum(map(len, prompts)) - sum(cached)
+    assert [r.choices[0].tokens for r in results] == [alone(tiny_model, p, greedy(4)) for p in prompts]
+
+
+def test_a_conversations_next_turn_continues_in_its_slot_and_evicts_no_other(tiny_model):
+    a, b = text_tokens(tiny_model, "First conversation here"), text_tokens(tiny_model, "Second one, different")
+    with engine(tiny_model, n_seq_max=2) as eng:
+        out = {name: eng.submit(Request(p, greedy(6))).result(WAIT_S).choices[0].tokens for name, p in
+               (("a", a), ("b", b))}
+        turn = text_tokens(tiny_model, " and then", bos=False)
+        a2 = eng.submit(Request(a + out["a"] + turn, greedy(4))).result(WAIT_S)
+        b2 = eng.submit(Request(b + out["b"] + turn, greedy(4))).result(WAIT_S)
+    assert a2.end.cached_tokens == len(a) + len(out["a"]) - 1  # all but the last sampled token, never decoded
+    assert b2.end.cached_tokens == len(b) + len(out["b"]) - 1  # b's cells survived a's next turn
 
 
 def test_identical_prompt_decodes_only_its_last_token(tiny_model):

@@ -3,8 +3,9 @@
 :func:`check_fits` runs on the submitting thread before anything is allocated and
 refuses (:class:`RequestTooLarge`) what no state of the engine could hold.
 :func:`place` runs on the worker: it finds the longest prefix any slot holds, decides
-whether slots and cells are free now (``None``: wait), and if so claims the slots,
-shares the prefix with ``seq_cp`` and evicts least recently used cached prefixes
+whether slots and cells are free now (``None``: wait), and if so claims the slots
+(a request that extends all of a cached slot continues in that slot), shares the
+prefix with ``seq_cp`` and evicts least recently used cached prefixes
 until the request's worst case fits beside what running requests may still write.
 """
 
@@ -23,6 +24,7 @@ from kvrt.engine.requests import EngineError, Request, RequestStream, RequestToo
 from kvrt.engine.sampling import Sampler
 
 LLAMA_MAX_SEQ = 256
+WAIT_FOR_SHARE = 32  # prompt tokens another request is prefilling that are worth waiting a step or two for
 
 
 @dataclass(frozen=True)
@@ -91,16 +93,22 @@ def check_fits(request: Request, n_cells: int, n_slots: int, n_vocab: int) -> No
     check_tokens(request, n_vocab)
 
 
-def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int) -> Live | None:
+def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, coming: int = 0) -> Live | None:
     """Slots and the cached prefix for ``pending``; ``None`` while they are not free yet.
 
-    ``reserved`` is the cells running requests may still write. Raises
+    ``reserved`` is the cells running requests may still write. ``coming`` is the longest
+    prefix ``pending`` shares with a prompt still being prefilled: when it is at least
+    :data:`WAIT_FOR_SHARE` tokens longer than what is cached now, ``pending`` waits for
+    it (a step or two) and then shares those cells instead of prefilling them again, so
+    many agents starting with one preamble prefill it once. Raises
     :class:`RequestTooLarge` when pinned prefixes leave too few slots or cells for good.
     """
     request = pending.stream.request
     prompt = request.prompt
     src, m = cache.longest_prefix(prompt)
     m = min(m, len(prompt) - (0 if pending.pin else 1))  # a choice samples the last prompt token's logits
+    if min(coming, len(prompt) - 1) >= m + WAIT_FOR_SHARE:
+        return None
     src = src if m > 0 else None
     new_cells = len(prompt) - m + (0 if pending.pin else request.n * request.params.max_tokens)
     slots_needed = 1 if pending.pin else request.n
@@ -116,8 +124,10 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int) -> 
     free = cache.cells_if_evicted(keep=(src, m) if src is not None else None)
     if cache.available_slots() < slots_needed or free - reserved < new_cells:
         return None
-    first = cache.claim(avoid=src)
-    if first is None:  # only the source slot itself is free to take: continue in it
+    extends = (src is not None and cache.state[src] == "cached" and src not in cache.pinned
+               and len(cache.tokens(src)) == m)  # the request continues all of it: a conversation's next turn
+    first = None if extends else cache.claim(avoid=src)
+    if first is None:  # continue in the source slot itself (no copy, and no other slot's cells evicted)
         assert src is not None
         first = src
         cache.take_over(src, m)

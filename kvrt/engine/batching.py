@@ -39,7 +39,7 @@ from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.live import Choice, Live
 from kvrt.engine.model import Model
-from kvrt.engine.prefix_cache import PrefixCache
+from kvrt.engine.prefix_cache import PrefixCache, common_prefix
 from kvrt.engine.requests import (
     ChoiceEnd,
     EngineClosed,
@@ -264,7 +264,9 @@ class Engine:
                 pending = self._queue[0]
             try:
                 reserved = sum(live.future_cells() for live in self._live)
-                live = place(self.cache, self.model, pending, reserved)
+                coming = max((common_prefix(x.prompt, pending.stream.request.prompt) for x in self._live
+                              if x.prefilling), default=0)
+                live = place(self.cache, self.model, pending, reserved, coming)
             except RequestTooLarge as exc:
                 with self._lock:
                     self._queue.popleft()
