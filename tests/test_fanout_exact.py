@@ -248,3 +248,17 @@ def test_pipeline_watermark_branches(demo_model, llm, long_doc, short_doc, short
     assert [result.outputs[f"early{i}"].tokens for i in range(len(BRANCHES))] == [r.tokens for r in short_refs]
     late = reference(llm, [long_doc[:mark], long_doc[mark:]], prompts[1], MAX_TOKENS)
     assert_near_tie_only([result.outputs["late"].tokens], [late])
+
+
+def test_exact_is_token_identical_with_flash_attention_on(demo_model, demo_model_path, long_doc, prompts):
+    """exact=True needs no particular flash_attn, only the same on both sides."""
+    llama = llama_cpp_llama(demo_model_path, n_ctx=2048, n_batch=SETTINGS["n_batch"], n_ubatch=SETTINGS["n_batch"],
+                            n_threads=N_THREADS, n_threads_batch=N_THREADS, flash_attn=True, verbose=False)
+    try:
+        refs = [reference(llama, [long_doc], p, MAX_TOKENS).tokens for p in prompts[:2]]
+    finally:
+        llama.close()
+    settings = {**SETTINGS, "flash_attn": "on"}
+    for mode in ("shared", "isolated"):
+        result = fanout(demo_model, long_doc, BRANCHES[:2], mode=mode, exact=True, **settings)
+        assert tokens_of(result) == refs, mode

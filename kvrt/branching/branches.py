@@ -55,9 +55,9 @@ How many branches diverge, and what ``exact=True`` costs, is measured in bench/R
 Ask for ``exact=True`` when the outputs must be the reference's: the branches then decode
 one at a time, and none starts before the one before it has finished.
 
-``mode="auto"`` picks shared whenever there are several branches and their combined
-cells fit one context (and, given a ``pool``, its contexts), isolated otherwise; the
-result says which and why.
+``mode="auto"`` picks shared whenever there are several branches and their cells fit one
+context (document + every branch, or with ``exact=True`` document + the longest branch;
+given a ``pool``, its contexts), isolated otherwise; the result says which and why.
 
 Contexts: pass ``pool`` to reuse them across fan-outs. Isolated mode leases
 one-sequence contexts from it; shared mode leases one unified-KV context with
