@@ -165,6 +165,31 @@ def simulated(folder: str) -> str:
             f"{h['load']}); idle co-resident {idle['static_models']} vs {idle['elastic_idle_tenants']}")
 
 
+def batching(folder: str) -> str:
+    b = load(folder, "batching/batching.json")
+    batched, alone = b["batched"], b["back_to_back"]
+    lost = batched["lost_or_mixed_tokens"] + alone["lost_or_mixed_tokens"]
+    return (f"{b['config']['agents']} agents, {b['config']['turns']} turns: **{spread(b['speedup'], unit='x')}** the "
+            f"tokens/s of the same turns one at a time ({batched['tokens_per_s']['median']:,.0f} vs "
+            f"{alone['tokens_per_s']['median']:,.0f}), {b['fraction_of_ideal']['median']:.2f} of one batch of "
+            f"{b['ideal']['n_seq']} sequences; TTFT p99/p50 {batched['ttft_p99_over_p50']['median']:.2f}; "
+            f"lost or mixed-up tokens {lost}")
+
+
+def prefetch(folder: str) -> str:
+    parts = []
+    for mode in load(folder, "prefetch/prefetch.json")["modes"]:
+        g, same = mode["goals"], all(mode["tokens_identical_to_resident"].values())
+        parts.append(f"flash attention {mode['flash_attn']}: exposed swap-in **"
+                     f"{g['prefetch_exposed_over_ideal']['median']:.3f} of the copy time** (synchronous "
+                     f"{g['sync_swap_in_over_ideal']['median']:.2f}), throughput "
+                     f"{g['prefetch_throughput_fraction_of_resident']['median']:.2f} of all agents resident, "
+                     f"same tokens: {same}")
+    mode = load(folder, "prefetch/prefetch.json")["modes"][0]
+    return (f"{mode['agents']} agents of {min(mode['history_tokens']):,}-{max(mode['history_tokens']):,} tokens: "
+            + "; ".join(parts))
+
+
 # -- the tables ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Cell:
@@ -202,6 +227,10 @@ ROWS = (
         "-"),
     Row("50 agents over 3 models time-sliced, vs back to back", *_same(timeslice, "timeslice/agents.json"),
         "lmxd: one active context"),
+    Row("many agents of one model decoding together (one `llama_decode` per step) vs one at a time",
+        *_same(batching, "batching/batching.json"), "lmxd: one request at a time"),
+    Row("the next agent's KV restored on a copy thread while the current one decodes (known one turn ahead)",
+        *_same(prefetch, "prefetch/prefetch.json"), "lmxd: synchronous swap-in"),
     Row("three models each asking for a huge context", Cell(coresidence, ("coresidence/agents.json",)), None,
         "lmxd: file size x 1.5 estimates"),
     Row("layer streaming at balance, vs serial",
