@@ -219,3 +219,25 @@ def test_wrong_kinds_are_refused(snapshot, llm, demo_model, doc, llama_state):
     with pytest.raises(LlamaStateError, match=r"n_tokens must be in \[1, 1024\]"):
         snapshot_from_llama_state(bad, demo_model)
     assert np.asarray(llama_state.input_ids).shape == (1024,)
+
+
+def test_a_state_missing_the_windows_masked_cells_is_refused(llm, demo_model, window_doc):
+    """A kvrt snapshot past the sliding window leaves out the masked cells; a Llama that loaded it saves a state
+    without them, which no kvrt snapshot can hold (it needs the whole prefix)."""
+    with Context(demo_model, PARAMS) as ctx:
+        prefill(ctx, window_doc, logits_last=False)
+        with Snapshot.capture(ctx, tokens=window_doc) as snap:
+            llm.load_state(snapshot_to_llama_state(snap, llm, window_doc))
+    with pytest.raises(LlamaStateError, match="cells start at position [1-9][0-9]*, not 0"):
+        snapshot_from_llama_state(llm.save_state(), demo_model)
+
+
+@pytest.fixture(scope="module")
+def window_doc(demo_model: Model) -> list[int]:
+    """A document longer than the model's sliding window."""
+    from kvrt.modelfiles.demo_model import license_terms_text
+
+    text = license_terms_text()
+    tokens = demo_model.tokenize(text[text.find("Gemma Terms of Use"):])[:600]
+    assert len(tokens) > int(demo_model.meta("gemma3.attention.sliding_window") or 0)
+    return tokens

@@ -10,9 +10,12 @@ so every conversion goes through a scratch context of the snapshot's model and l
 kvrt never edits state bytes itself.
 
 Invariant: a converted state continues token-identically to its source (greedy, same
-settings) wherever a restore of the source would: the cells land at the slots a
-sequence restore gives them. Past a sliding window that is the restored layout, not the
-prefill's (see :mod:`kvrt.branching.branches`).
+settings) while its tokens fit the model's sliding window. Past the window neither side's
+restore keeps the prefill's cell layout, so continuations agree up to near-ties: a
+kvrt sequence state leaves out the cells the window masks (see
+:mod:`kvrt.branching.branches`), and after ``Llama.load_state`` llama.cpp's next cell
+search starts at slot 0, where it reuses masked cells (a ``Llama`` reloading its own
+state drifts the same way).
 
 What cannot be checked: a ``LlamaState`` names no model. kvrt refuses one whose
 vocabulary differs from the model's, and llama.cpp one whose layers or KV widths
@@ -173,4 +176,9 @@ def snapshot_from_llama_state(state: Any, model: Model, *, flash_attn: str = "of
         if held != len(ids) or any(seq != 0 for seq in ctx.sequences()):
             raise LlamaStateError(f"the state holds {held} cells of sequence 0 (sequences {sorted(ctx.sequences())}) "
                                   f"but its n_tokens says {len(ids)}")
+        first = ctx.seq_pos_min(0)
+        if first != 0:
+            raise LlamaStateError(f"the state's cells start at position {first}, not 0: its sliding-window cache "
+                                  "lost the masked cells (a state restored past the window, or a Llama with "
+                                  "swa_full=False), and a kvrt snapshot needs every cell of its prefix")
         return Snapshot.capture(ctx, 0, pool=host_pool, tokens=ids)
