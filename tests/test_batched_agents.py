@@ -146,3 +146,20 @@ def test_daemon_streams_tokens_and_cancels(tiny_model_path, tmp_path):
                 assert client.decode("a", " again", 3, seed=7).fields["generated_tokens"] == "3"
         finally:
             server.stop()
+
+
+def test_unregistering_the_last_agent_mid_turn_ends_it_and_frees_the_model(tiny_model_path):
+    ledger = VramLedger(1 << 34)
+    with BatchedScheduler(ledger, config=BatchConfig(n_ctx=2048, n_seq_max=4, n_threads=1)) as sched:
+        sched.register("x", tiny_model_path, 2048)
+        started = threading.Event()
+        turn = sched.submit("x", "write forever", 1500, on_text=lambda _: started.set())
+        started.wait()
+        sched.unregister("x")
+        assert turn.result().finish_reason == "cancelled"
+        deadline = time.monotonic() + 60
+        while ledger.allocated_bytes and time.monotonic() < deadline:  # the pool is freed off the engine's thread
+            time.sleep(0.01)
+        assert ledger.allocated_bytes == 0 and sched.agents() == []
+        sched.register("x", tiny_model_path, 2048)  # the id and the model can be used again
+        assert sched.decode("x", "hello", 3).tokens

@@ -25,6 +25,7 @@ transcript and the next turn recomputes what follows them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -67,6 +68,7 @@ from kvrt.serve.results import (
     ended_early,
 )
 from kvrt.serve.scheduler import HISTORY, TextFn
+from kvrt.state.agentstore import StateProblem
 
 log = logging.getLogger("kvrt.serve.batched")
 
@@ -130,7 +132,7 @@ class BatchedScheduler:
     """Register agents on models and run their turns in continuous batches (see the module docstring)."""
 
     store = None  # agents are not saved across restarts here
-    state_problems: tuple[object, ...] = ()
+    state_problems: tuple[StateProblem, ...] = ()
     state_restored = 0
 
     def __init__(self, ledger: VramLedger, registry: ModelRegistry | None = None, *,
@@ -194,7 +196,8 @@ class BatchedScheduler:
         self._cancel(agent)
         with self._lock:
             agent.pool.agents -= 1
-            idle = agent.pool.agents == 0 and agent.running is None and self._pools.pop(agent.pool.entry.path, None)
+            idle = (agent.pool.agents == 0 and agent.running is None
+                    and self._pools.pop(agent.pool.entry.path, None) is not None)
         if idle:
             self._close_pool(agent.pool)
 
@@ -272,7 +275,7 @@ class BatchedScheduler:
             try:
                 request = self._request(agent, turn)
                 agent.running = turn
-                turn.stream = agent.pool.engine.submit(request, notify=lambda a=agent, t=turn: self._drain(a, t))
+                turn.stream = agent.pool.engine.submit(request, notify=functools.partial(self._drain, agent, turn))
             except BaseException as exc:
                 agent.running = None
                 turn.future.set_exception(exc)

@@ -78,7 +78,7 @@ class TokenStream:
         self.result: Decoded | None = None
         self._client = client
         client._lock.acquire()
-        self._lines = client._lines(line)
+        self._lines: Iterator[str | tuple[str]] | None = client._lines(line)
         self._fields: dict[str, str] = {}
         self._error: str | None = None
 

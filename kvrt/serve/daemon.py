@@ -119,7 +119,7 @@ def _read_line(rfile: Any) -> bytes | None:
     A line longer than :data:`MAX_LINE` (newline included) is skipped to its end and
     refused with its length; a client that leaves in the middle of a line gets no answer.
     """
-    raw = rfile.readline(MAX_LINE)
+    raw: bytes = rfile.readline(MAX_LINE)
     if raw.endswith(b"\n"):
         return raw
     if len(raw) < MAX_LINE:

@@ -47,8 +47,10 @@ class Handler:
         the client is still there: a DECODE with ``stream=1`` sends its TOKEN lines through it."""
         try:
             if command.verb == "DECODE":
-                return self._decode(*command.args, stream=stream)
-            return getattr(self, f"_{command.verb.lower()}")(*command.args)
+                agent_id, n_tokens, prompt, options = command.args
+                return self._decode(agent_id, n_tokens, prompt, options, stream)
+            lines: list[str] = getattr(self, f"_{command.verb.lower()}")(*command.args)
+            return lines
         except Exception as exc:  # a bug must cost one reply, not the daemon
             if not isinstance(exc, KvrtError):
                 log.exception("internal error on %s", command.verb)

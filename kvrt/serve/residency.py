@@ -92,6 +92,7 @@ class Residency:
                 if self._compatible(victim, agent):  # hand the live context over instead of re-creating it
                     agent.context, agent.reservation = victim.context, victim.reservation
                     victim.context = victim.reservation = None
+                    assert agent.reservation is not None  # a live context always holds its charge
                     self.ledger.transfer(agent.reservation, owner)
                 else:
                     self.free(victim)
