@@ -15,12 +15,23 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvrt.engine.requests import EngineClosed
+from kvrt.errors import InvalidArgument
 from kvrt.serve.client import Client, ConnectionLost, DaemonReplyError
 from kvrt.serve.daemon import Daemon, DaemonError, check_socket_path
 from kvrt.serve.estimate import ModelShape, context_estimate
-from kvrt.serve.ledger import VramLedger
-from kvrt.serve.protocol import (MAX_LINE, DecodeOptions, ProtocolError, escape_prompt, parse_fields, parse_line,
-                                 unescape_prompt)
+from kvrt.serve.ledger import LedgerDenied, VramLedger
+from kvrt.serve.protocol import (
+    MAX_LINE,
+    DecodeOptions,
+    ProtocolError,
+    error_reply,
+    escape_prompt,
+    parse_fields,
+    parse_line,
+    unescape_prompt,
+)
+from kvrt.serve.results import ContextFull
 from kvrt.serve.scheduler import Scheduler
 
 N_CTX = 256
@@ -62,6 +73,15 @@ def test_malformed_lines_become_err_lines(line, code):
         parse_line(line)
     assert info.value.code == code
     assert info.value.reply().startswith(f"ERR {code} ") and "\n" not in info.value.reply()
+
+
+def test_every_layers_refusal_maps_to_its_err_code():
+    assert error_reply(LedgerDenied(owner="agent:a", max_bytes=10, allocated_bytes=8, request_bytes=5)) == (
+        "ERR VRAM_LEDGER_DENY code=CAP ledger_max_bytes=10 ledger_allocated_bytes=8 request_table_bytes=5")
+    assert error_reply(ContextFull("agent 'a' is full")).startswith("ERR CONTEXT_FULL agent 'a'")
+    assert error_reply(EngineClosed("the engine was closed")).startswith("ERR SHUTTING_DOWN ")
+    assert error_reply(InvalidArgument("top_p must be in (0, 1]")).startswith("ERR BAD_ARGS top_p")
+    assert error_reply(RuntimeError("bug")) == "ERR INTERNAL RuntimeError: bug"
 
 
 def test_well_formed_lines():

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvrt.engine.requests import EngineClosed
 from kvrt.errors import ContextError, InvalidArgument, KvrtError, ModelLoadError
 from kvrt.serve.estimate import EstimateError
 from kvrt.serve.ledger import LedgerDenied
@@ -283,6 +284,8 @@ def error_reply(exc: BaseException) -> str:
         return error_line(exc.code, str(exc))
     if isinstance(exc, InvalidArgument):
         return error_line("BAD_ARGS", str(exc))
+    if isinstance(exc, EngineClosed):  # a batched turn still running when the daemon shut down
+        return error_line("SHUTTING_DOWN", str(exc))
     if isinstance(exc, (ModelLoadError, EstimateError)):
         return error_line("MODEL_LOAD", str(exc))
     if isinstance(exc, ContextError):
