@@ -28,8 +28,9 @@ Two modes:
 Exactness (token identity with a from-scratch evaluation, greedy): the reference is a
 fresh llama.cpp context (``llama_cpp.Llama`` or a kvrt :class:`Context`) that decodes the
 document, then the branch prompt, then each generated token, with the same
-``flash_attn``, ``n_batch``/``n_ubatch``, ``swa_full`` and extra buffer types
-(``kvrt.system.cpu.llama_cpp_llama`` opens a ``Llama`` with kvrt's verdict). llama.cpp's
+``flash_attn``, ``n_batch``/``n_ubatch``, ``n_threads``, ``swa_full`` and extra buffer
+types (``kvrt.system.cpu.llama_cpp_llama`` opens a ``Llama`` with kvrt's verdict; the
+extra buffer types' kernels round differently from the plain ones). llama.cpp's
 logits depend on how tokens are split into decode calls, so that split is part of the
 reference; a one-call prefill of document + prompt is a different computation.
 Under those settings:
