@@ -67,7 +67,7 @@ from kvrt.serve.results import (
     check_agent_id,
     ended_early,
 )
-from kvrt.serve.scheduler import HISTORY, TextFn
+from kvrt.serve.service import HISTORY, AgentService, TextFn
 from kvrt.state.agentstore import StateProblem
 
 log = logging.getLogger("kvrt.serve.batched")
@@ -128,7 +128,7 @@ class _Agent:
     requests: int = 0
 
 
-class BatchedScheduler:
+class BatchedScheduler(AgentService):
     """Register agents on models and run their turns in continuous batches (see the module docstring)."""
 
     store = None  # agents are not saved across restarts here
@@ -239,10 +239,6 @@ class BatchedScheduler:
             started = self._start(agent) if agent.running is None else None
         self._drain(agent, started)
         return turn.future
-
-    def decode(self, agent_id: str, prompt: str | Sequence[int], n_tokens: int, *,
-               sampling: SamplingParams | None = None, stop: Sequence[str] = ()) -> DecodeResult:
-        return self.submit(agent_id, prompt, n_tokens, sampling=sampling, stop=stop).result()
 
     def cancel(self, agent_id: str) -> int:
         """End the agent's running turn (between two tokens) and its queued ones; returns how many."""
@@ -405,9 +401,3 @@ class BatchedScheduler:
         if self._owns_registry:
             self.registry.close()
         return True
-
-    def __enter__(self) -> BatchedScheduler:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from kvrt.errors import KvrtError
-from kvrt.serve.batched import BatchedScheduler
 from kvrt.serve.budget import Budget
 from kvrt.serve.handler import Handler
 from kvrt.serve.protocol import (
@@ -45,7 +44,7 @@ from kvrt.serve.protocol import (
     parse_line,
     reply,
 )
-from kvrt.serve.scheduler import Scheduler
+from kvrt.serve.service import AgentService
 
 log = logging.getLogger("kvrt.serve.daemon")
 
@@ -140,7 +139,7 @@ class Daemon:
     is closed; the same timeout bounds sending a reply to a client that does not read.
     """
 
-    def __init__(self, socket_path: str | os.PathLike[str], scheduler: Scheduler | BatchedScheduler, *,
+    def __init__(self, socket_path: str | os.PathLike[str], scheduler: AgentService, *,
                  budget: Budget | None = None, max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S) -> None:
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:

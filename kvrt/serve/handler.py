@@ -15,7 +15,6 @@ from typing import Any
 
 from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import KvrtError
-from kvrt.serve.batched import BatchedScheduler
 from kvrt.serve.budget import Budget
 from kvrt.serve.protocol import (
     HELP_LINES,
@@ -28,7 +27,7 @@ from kvrt.serve.protocol import (
     token_line,
 )
 from kvrt.serve.results import Percentiles
-from kvrt.serve.scheduler import Scheduler
+from kvrt.serve.service import AgentService
 
 log = logging.getLogger("kvrt.serve.daemon")
 
@@ -36,7 +35,7 @@ log = logging.getLogger("kvrt.serve.daemon")
 class Handler:
     """Turns parsed commands into reply lines against one scheduler (no sockets here)."""
 
-    def __init__(self, scheduler: Scheduler | BatchedScheduler, budget: Budget | None = None,
+    def __init__(self, scheduler: AgentService, budget: Budget | None = None,
                  connection_fields: Callable[[], dict[str, Any]] | None = None) -> None:
         self.scheduler = scheduler
         self.budget = budget

@@ -56,6 +56,7 @@ from kvrt.serve.results import (
     check_agent_id,
     ended_early,
 )
+from kvrt.serve.service import HISTORY, AgentService, TextFn
 from kvrt.serve.statedir import persist, restore_all
 from kvrt.state.agentstore import AgentStore, StateProblem
 from kvrt.state.hostpool import HostPool
@@ -63,10 +64,8 @@ from kvrt.state.snapshot import Snapshot
 
 T = TypeVar("T")
 log = logging.getLogger("kvrt.serve.scheduler")
-HISTORY = 100_000  # request metrics kept per scheduler for percentiles
 
 
-TextFn = Callable[[str], None]
 """Called with each piece of a request's text as it is generated (on the worker's thread; must not block)."""
 
 
@@ -87,7 +86,7 @@ class Turn:
     submitted: float = field(default_factory=time.perf_counter)
 
 
-class Scheduler:
+class Scheduler(AgentService):
     """Register agents on models, queue their requests, run them fairly on one device.
 
     ``ledger`` admits weights and contexts; ``registry`` shares models (one is made on
@@ -166,10 +165,6 @@ class Scheduler:
             agent.queue.append(turn)
             self._cond.notify()
         return turn.future
-
-    def decode(self, agent_id: str, prompt: str | Sequence[int], n_tokens: int, *,
-               sampling: SamplingParams | None = None, stop: Sequence[str] = ()) -> DecodeResult:
-        return self.submit(agent_id, prompt, n_tokens, sampling=sampling, stop=stop).result()
 
     def cancel(self, agent_id: str) -> int:
         """End the agent's queued requests with ``cancelled``; returns how many (a running one finishes)."""
@@ -255,12 +250,6 @@ class Scheduler:
                 while agent.queue:
                     agent.queue.popleft().future.set_exception(
                         SchedulerClosed("the scheduler shut down before this request ran"))
-
-    def __enter__(self) -> Scheduler:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- the worker -----------------------------------------------------------------------
     def _call(self, fn: Callable[[], T]) -> T:
