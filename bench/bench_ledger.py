@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from kvrt.serve.ledger import LedgerDenied, VramLedger
+from kvrt.accounting.ledger import LedgerDenied, VramLedger
 
 PAIRS = 10_000
 THREADS = 8

@@ -21,6 +21,7 @@ if not os.environ.get(NO_PRELOAD_ENV):
 
     _loader.llama()
 
+from kvrt.accounting.ledger import VramLedger  # noqa: E402
 from kvrt.branching.branches import Branch, fanout  # noqa: E402  (after the library is mapped)
 from kvrt.branching.pipeline import Pipeline  # noqa: E402
 from kvrt.engine.batch import Batch  # noqa: E402
@@ -34,7 +35,6 @@ from kvrt.memory.elastic import ElasticPool  # noqa: E402
 from kvrt.memory.elastic_kv import ElasticKV  # noqa: E402
 from kvrt.modelfiles.demo_model import demo_model_path  # noqa: E402
 from kvrt.serve.client import Client  # noqa: E402
-from kvrt.serve.ledger import VramLedger  # noqa: E402
 from kvrt.serve.registry import ModelRegistry  # noqa: E402
 from kvrt.serve.scheduler import Scheduler  # noqa: E402
 from kvrt.state.hostpool import HostPool  # noqa: E402

@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, settings
 
 from kvrt.system.gpu import nvidia_gpu_count
 
-
 HAS_GPU = nvidia_gpu_count() > 0
 if not HAS_GPU:
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from _reference import check_greedy
 
+from kvrt.accounting.estimate import ModelShape, context_estimate
+from kvrt.accounting.ledger import VramLedger
 from kvrt.engine.model import Model
-from kvrt.serve.estimate import ModelShape, context_estimate
-from kvrt.serve.ledger import VramLedger
 from kvrt.serve.registry import ModelRegistry
 from kvrt.serve.residency import Switch
 from kvrt.serve.scheduler import Scheduler

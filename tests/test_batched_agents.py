@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import pytest
 from _reference import check_greedy
 
+from kvrt.accounting.ledger import VramLedger
 from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams, generate
 from kvrt.engine.model import Model
@@ -17,7 +18,6 @@ from kvrt.engine.sampling import SamplingParams
 from kvrt.serve.batched import BatchConfig, BatchedScheduler
 from kvrt.serve.client import Client
 from kvrt.serve.daemon import Daemon
-from kvrt.serve.ledger import VramLedger
 from kvrt.serve.registry import ModelRegistry
 from kvrt.serve.results import ContextFull
 

@@ -71,8 +71,8 @@ def test_swap_round_trip_is_exact_and_the_peer_picks_kvrts_next_token(tiny_model
 def test_multimodel_arms_serve_the_same_trace_with_the_same_tokens(tiny_model_path, other_tiny_model_path):
     from kvrt_bench.multimodel import ElasticArm, StaticArm, bursty_trace, replay
 
+    from kvrt.accounting.ledger import VramLedger
     from kvrt.engine.model import Model
-    from kvrt.serve.ledger import VramLedger
 
     trace = bursty_trace([512, 512], 1.0, 0.2, 0.05, 128, seed=1)
     assert trace == bursty_trace([512, 512], 1.0, 0.2, 0.05, 128, seed=1) and trace

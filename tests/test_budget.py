@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrt.serve.budget import HOST_RAM_SHARE_PERCENT, choose_budget, host_ram_bytes
+from kvrt.accounting.budget import HOST_RAM_SHARE_PERCENT, choose_budget, host_ram_bytes
 
 
 def _no_call() -> int:

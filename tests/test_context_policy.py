@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from kvrt.accounting.estimate import ModelShape, context_estimate
+from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams, generate
 from kvrt.engine.model import Model
-from kvrt.serve.estimate import ModelShape, context_estimate
-from kvrt.serve.ledger import LedgerDenied, VramLedger
 from kvrt.serve.results import ContextFull, InvalidArgument
 from kvrt.serve.scheduler import Scheduler
 

@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvrt.accounting.estimate import ModelShape, context_estimate
+from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.requests import EngineClosed
 from kvrt.errors import InvalidArgument
 from kvrt.serve.client import Client, ConnectionLost, DaemonReplyError
 from kvrt.serve.daemon import Daemon, DaemonError, check_socket_path
-from kvrt.serve.estimate import ModelShape, context_estimate
-from kvrt.serve.ledger import LedgerDenied, VramLedger
 from kvrt.serve.protocol import (
     MAX_LINE,
     DecodeOptions,

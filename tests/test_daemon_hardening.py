@@ -18,11 +18,11 @@ import pytest
 from test_daemon import N_CTX, daemon, raw_exchange, sock_dir  # noqa: F401  (daemon, sock_dir: fixtures)
 from test_scheduler import hold_worker
 
+from kvrt.accounting.estimate import EstimateError, ModelShape, context_estimate
+from kvrt.accounting.ledger import VramLedger
 from kvrt.modelfiles.testmodels import write_model
 from kvrt.serve.client import Client, DaemonReplyError
 from kvrt.serve.daemon import Daemon
-from kvrt.serve.estimate import EstimateError, ModelShape, context_estimate
-from kvrt.serve.ledger import VramLedger
 from kvrt.serve.protocol import MAX_LINE, ProtocolError, parse_line
 from kvrt.serve.scheduler import Scheduler
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
 
+from kvrt.accounting.ledger import VramLedger
 from kvrt.memory.elastic import ElasticError, ElasticPool, ElasticRefusal
 from kvrt.memory.vmm import HostDriver
-from kvrt.serve.ledger import VramLedger
 
 PAGE = 4096
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams, generate, prefill
 from kvrt.errors import KvrtError
 from kvrt.memory.elastic_context import ElasticContext
-from kvrt.serve.ledger import LedgerDenied, VramLedger
 
 GREEDY = GenerationParams(max_tokens=40)
 

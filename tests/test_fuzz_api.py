@@ -18,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvrt.accounting.ledger import VramLedger
 from kvrt.branching.branches import Branch, fanout
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import GenerationParams, generate, prefill
 from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import KvrtError
-from kvrt.serve.ledger import VramLedger
 from kvrt.state.contextpool import ContextPool
 from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import MAGIC, VERSION, Snapshot

@@ -11,8 +11,16 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from kvrt.serve.protocol import (MAX_CTX, MAX_LINE, MAX_TOKENS, Command, DecodeOptions, ProtocolError, escape_prompt,
-                                 parse_line)
+from kvrt.serve.protocol import (
+    MAX_CTX,
+    MAX_LINE,
+    MAX_TOKENS,
+    Command,
+    DecodeOptions,
+    ProtocolError,
+    escape_prompt,
+    parse_line,
+)
 
 VERBS = ("HELP", "STATUS", "LIST", "QUIT", "REGISTER", "UNREGISTER", "METRICS", "FORK", "DECODE", "CANCEL")
 WORDS = st.one_of(

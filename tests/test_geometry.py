@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvrt.accounting.estimate import ModelShape
 from kvrt.engine.geometry import ModelGeometry
 from kvrt.errors import InvalidArgument
 from kvrt.modelfiles.testmodels import PRESETS
-from kvrt.serve.estimate import ModelShape
 
 
 def geometry_of(shape: ModelGeometry) -> ModelGeometry:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from kvrt.serve.ledger import DeviceMemory, LedgerDenied, LedgerError, Reservation, VramLedger, validate_size
+from kvrt.accounting.ledger import DeviceMemory, LedgerDenied, LedgerError, Reservation, VramLedger, validate_size
 from kvrt.serve.protocol import error_reply
 
 CAP = 1_000_000
@@ -277,7 +277,7 @@ def test_nvml_ledger_on_a_real_gpu():
 
 
 def test_no_gpu_needs_a_configured_capacity():
-    from kvrt.serve.ledger import NvmlProbe
+    from kvrt.accounting.ledger import NvmlProbe
 
     if NvmlProbe.available():
         pytest.skip("NVML sees a GPU here")

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from kvrt.accounting.estimate import EstimateError, ModelShape, context_estimate, parse_vram_table
+from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams, generate
 from kvrt.engine.model import Model
 from kvrt.errors import ModelLoadError
-from kvrt.serve.estimate import EstimateError, ModelShape, context_estimate, parse_vram_table
-from kvrt.serve.ledger import LedgerDenied, VramLedger
 from kvrt.serve.registry import ModelRegistry, RegistryError
 from kvrt.serve.results import AgentExists, UnknownAgent
 from kvrt.serve.scheduler import Scheduler

@@ -17,12 +17,12 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
+from kvrt.accounting.ledger import VramLedger
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import prefill
 from kvrt.engine.model import Model
 from kvrt.errors import InvalidArgument, KvrtError
-from kvrt.serve.ledger import VramLedger
 from kvrt.state.hostpool import HostBuffer, HostPool, HostPoolError
 from kvrt.state.snapshot import Snapshot, SnapshotMismatch
 from kvrt.state.staging import (
@@ -439,7 +439,7 @@ def test_prefetch_bench_refuses_agents_that_would_all_fit(tiny_model_path, tmp_p
 
 
 def test_warm_creates_charged_contexts_up_to_what_the_ledger_admits(tiny_model, agent):
-    from kvrt.serve.ledger import LedgerDenied
+    from kvrt.accounting.ledger import LedgerDenied
 
     snap, _ = agent
     one = 10 << 20

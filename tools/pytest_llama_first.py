@@ -8,7 +8,8 @@ early, so GPU test runs go through this wrapper:  python3 tools/pytest_llama_fir
 
 import sys
 
-import kvrt  # noqa: F401  (maps llama.cpp first)
 import pytest
+
+import kvrt  # noqa: F401  (maps llama.cpp first)
 
 sys.exit(pytest.main(sys.argv[1:]))

@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.modelfiles.testmodels import write_model
 from kvrt.serve.client import Client, ConnectionLost, DaemonReplyError
-from kvrt.serve.estimate import ModelShape, context_estimate
 from kvrt.serve.protocol import HELP_LINES, MAX_LINE, parse_fields
 
 N_CTX_CHOICES = (256, 512)

@@ -39,14 +39,14 @@ from typing import Any
 
 import numpy as np
 
+from kvrt.accounting.estimate import DeviceMeter, ModelShape, context_estimate
+from kvrt.accounting.ledger import LedgerDenied, NvmlProbe, VramLedger
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import GenerationParams, generate, prefill
 from kvrt.engine.model import Model
 from kvrt.errors import KvrtError
 from kvrt.modelfiles.testmodels import Shape, ensure_model, write_model
-from kvrt.serve.estimate import DeviceMeter, ModelShape, context_estimate
-from kvrt.serve.ledger import LedgerDenied, NvmlProbe, VramLedger
 from kvrt.serve.protocol import error_reply
 from kvrt.serve.results import percentiles
 from kvrt.serve.scheduler import Scheduler

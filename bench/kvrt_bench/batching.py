@@ -28,6 +28,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from pathlib import Path
 from typing import Any
 
+from kvrt.accounting.ledger import VramLedger
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import prefill
@@ -35,7 +36,6 @@ from kvrt.engine.model import Model
 from kvrt.errors import KvrtError
 from kvrt.modelfiles.demo_model import demo_model_path
 from kvrt.serve.batched import BatchConfig, BatchedScheduler
-from kvrt.serve.ledger import VramLedger
 from kvrt.serve.registry import ModelRegistry
 from kvrt.serve.results import DecodeResult, percentiles
 from kvrt.serve.scheduler import Scheduler

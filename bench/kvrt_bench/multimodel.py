@@ -5,7 +5,7 @@ models with different weights), real llama.cpp contexts, real prefill and decode
 real clock. One server thread takes the requests in arrival order (a request waits
 while an earlier one runs), as one llama.cpp process serving several models would.
 Both arms charge the same header-derived estimate (KV plus compute buffer) to one
-:class:`kvrt.serve.ledger.VramLedger` capped at ``--cap-mib``:
+:class:`kvrt.accounting.ledger.VramLedger` capped at ``--cap-mib``:
 
 ``static``
     stock llama.cpp's policy: a model serves from a context of its whole
@@ -44,13 +44,13 @@ from typing import Any
 
 import numpy as np
 
+from kvrt.accounting.estimate import ModelShape, context_estimate
+from kvrt.accounting.ledger import LedgerDenied, Reservation, VramLedger
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import Completion, GenerationParams, generate
 from kvrt.engine.model import Model
 from kvrt.memory.elastic_context import ElasticContext
 from kvrt.modelfiles.testmodels import ensure_model
-from kvrt.serve.estimate import ModelShape, context_estimate
-from kvrt.serve.ledger import LedgerDenied, Reservation, VramLedger
 from kvrt_bench._plotting import draw
 from kvrt_bench._stats import check_samples, machine, summarize, write_csv, write_json
 

@@ -42,12 +42,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvrt.accounting.estimate import ModelShape, context_estimate
+from kvrt.accounting.ledger import VramLedger
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import GenerationParams, generate, prefill
 from kvrt.engine.model import Model
 from kvrt.errors import KvrtError
-from kvrt.serve.estimate import ModelShape, context_estimate
-from kvrt.serve.ledger import VramLedger
 from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import Snapshot
 from kvrt.state.staging import KVStager, PendingSnapshot, StagerStats

@@ -2,7 +2,7 @@
 
 Unix socket: try it with ``nc -U PATH`` (send HELP). The ledger's cap is ``--admit-percent`` of the
 GPU's memory as NVML reports it; on a machine without one, a stated share of host RAM
-(:mod:`kvrt.serve.budget`), unless ``--capacity-bytes`` fixes it.
+(:mod:`kvrt.accounting.budget`), unless ``--capacity-bytes`` fixes it.
 
 SIGTERM or Ctrl-C shuts down cleanly and within ``--shutdown-timeout-s``: the running
 request finishes, queued ones get ``ERR SHUTTING_DOWN``, agents are saved (with
@@ -91,11 +91,11 @@ def _run_http(args: argparse.Namespace) -> int:
 
 
 def _run_socket(args: argparse.Namespace) -> int:
+    from kvrt.accounting.budget import choose_budget
+    from kvrt.accounting.estimate import load_vram_table
+    from kvrt.accounting.ledger import VramLedger
     from kvrt.serve.batched import BatchConfig, BatchedScheduler
-    from kvrt.serve.budget import choose_budget
     from kvrt.serve.daemon import Daemon
-    from kvrt.serve.estimate import load_vram_table
-    from kvrt.serve.ledger import VramLedger
     from kvrt.serve.registry import ModelRegistry
     from kvrt.serve.scheduler import Scheduler
 

@@ -18,9 +18,9 @@ import numpy as np
 
 from kvrt._handle import NativeHandle, OwnsHandle
 from kvrt.bindings import FLASH_ATTN, STATE_SEQ_FLAGS_NONE, capture, explain, ffi, lib
+from kvrt.checks import check_int, shown
 from kvrt.engine.batch import Batch
 from kvrt.engine.model import Model
-from kvrt.checks import check_int, shown
 from kvrt.errors import ContextError, DecodeError, InvalidArgument, KvrtError, StateError
 
 _DECODE_CODES = {

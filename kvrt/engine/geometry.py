@@ -1,7 +1,7 @@
 """The dimensions of a llama-style transformer that its KV memory and compute follow.
 
 One type for the whole of kvrt: a GGUF's header as the estimate reads it
-(:class:`kvrt.serve.estimate.ModelShape`) and a generated test model's spec
+(:class:`kvrt.accounting.estimate.ModelShape`) and a generated test model's spec
 (:class:`kvrt.modelfiles.testmodels.Shape`) are both a :class:`ModelGeometry` with
 fields of their own, and per-head sizes, KV bytes per token and the grouped-query ratio
 are computed here only.

@@ -47,11 +47,11 @@ from __future__ import annotations
 import threading
 from dataclasses import KW_ONLY, dataclass
 
+from kvrt.accounting.ledger import VramLedger
 from kvrt.errors import KvrtError
 from kvrt.memory.elastic_supply import ElasticError, Page, PageSupply, Shortage
 from kvrt.memory.elastic_tenant import Tenant
 from kvrt.memory.vmm import Fence, PageDriver
-from kvrt.serve.ledger import VramLedger
 
 __all__ = ["DEFAULT_POOL_OWNER", "ElasticError", "ElasticPool", "ElasticRefusal", "PoolPolicy", "PoolStats", "Tenant"]
 

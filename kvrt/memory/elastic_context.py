@@ -29,13 +29,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from kvrt.accounting.estimate import ModelShape, context_estimate
+from kvrt.accounting.ledger import LedgerDenied, Reservation, VramLedger
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import Completion, GenerationParams, ProgressFn, generate, prefill
 from kvrt.engine.model import Model
 from kvrt.errors import KvrtError
 from kvrt.memory.elastic_records import Resize, Spare
-from kvrt.serve.estimate import ModelShape, context_estimate
-from kvrt.serve.ledger import LedgerDenied, Reservation, VramLedger
 from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import Snapshot
 

@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvrt.accounting.ledger import LedgerDenied, Reservation, VramLedger
 from kvrt.errors import KvrtError
 from kvrt.memory.vmm import DeviceOutOfMemory, PageDriver
-from kvrt.serve.ledger import LedgerDenied, Reservation, VramLedger
 
 
 class ElasticError(KvrtError):

@@ -25,8 +25,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvrt.accounting.ledger import Reservation
 from kvrt.engine.context import Context
-from kvrt.serve.ledger import Reservation
 from kvrt.serve.registry import LoadedModel
 from kvrt.serve.results import ContextFull, InvalidArgument
 from kvrt.state.snapshot import Snapshot

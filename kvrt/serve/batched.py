@@ -36,6 +36,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvrt.accounting.estimate import context_estimate
+from kvrt.accounting.ledger import Reservation, VramLedger
 from kvrt.checks import prompt_tokens
 from kvrt.engine.admission import EngineConfig
 from kvrt.engine.batching import Engine
@@ -49,8 +51,6 @@ from kvrt.engine.requests import (
 )
 from kvrt.engine.sampling import SamplingParams
 from kvrt.serve.agent import ContextPolicy
-from kvrt.serve.estimate import context_estimate
-from kvrt.serve.ledger import Reservation, VramLedger
 from kvrt.serve.registry import LoadedModel, ModelRegistry
 from kvrt.serve.results import (
     AgentExists,

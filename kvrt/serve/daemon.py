@@ -33,8 +33,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvrt.accounting.budget import Budget
 from kvrt.errors import KvrtError
-from kvrt.serve.budget import Budget
 from kvrt.serve.handler import Handler
 from kvrt.serve.protocol import (
     MAX_LINE,

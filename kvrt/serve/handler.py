@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvrt.accounting.budget import Budget
 from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import KvrtError
-from kvrt.serve.budget import Budget
 from kvrt.serve.protocol import (
     HELP_LINES,
     SCHEMA,

@@ -24,10 +24,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvrt.accounting.estimate import EstimateError
+from kvrt.accounting.ledger import LedgerDenied
 from kvrt.engine.requests import EngineClosed
 from kvrt.errors import ContextError, InvalidArgument, KvrtError, ModelLoadError
-from kvrt.serve.estimate import EstimateError
-from kvrt.serve.ledger import LedgerDenied
 from kvrt.serve.results import SchedulerError
 
 SCHEMA = "kvrt-daemon/1"

@@ -15,10 +15,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrt.accounting.estimate import DeviceMeter, ModelShape
+from kvrt.accounting.ledger import LedgerDenied, Reservation, VramLedger
 from kvrt.engine.model import Model
 from kvrt.errors import KvrtError
-from kvrt.serve.estimate import DeviceMeter, ModelShape
-from kvrt.serve.ledger import LedgerDenied, Reservation, VramLedger
 
 
 class RegistryError(KvrtError):
@@ -47,7 +47,7 @@ class LoadedModel:
 class ModelRegistry:
     """Load each model once, share it by resolved path, free it when the last user leaves.
 
-    ``table`` is lmxd's ``model_vram`` table (:func:`kvrt.serve.estimate.parse_vram_table`):
+    ``table`` is lmxd's ``model_vram`` table (:func:`kvrt.accounting.estimate.parse_vram_table`):
     an entry for a model's path (or file name) replaces the derived weight estimate.
     ``use_extra_bufts`` is passed to every :class:`Model` (``None``: the machine's verdict).
     """
@@ -88,7 +88,7 @@ class ModelRegistry:
     def acquire(self, path: str | os.PathLike[str]) -> LoadedModel:
         """The shared model at ``path``, loaded (after admission) on first use.
 
-        Raises :class:`kvrt.serve.ledger.LedgerDenied` before touching the file's weights when
+        Raises :class:`kvrt.accounting.ledger.LedgerDenied` before touching the file's weights when
         they do not fit, or the load error after releasing the reservation.
         """
         resolved = Path(path).resolve()

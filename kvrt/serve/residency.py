@@ -15,10 +15,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvrt.accounting.estimate import DeviceMeter, context_estimate
+from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.context import Context, ContextParams
 from kvrt.serve.agent import Agent
-from kvrt.serve.estimate import DeviceMeter, context_estimate
-from kvrt.serve.ledger import LedgerDenied, VramLedger
 from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import Snapshot
 

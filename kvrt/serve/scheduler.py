@@ -33,12 +33,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from kvrt.accounting.estimate import context_estimate
+from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.checks import prompt_tokens
 from kvrt.engine.generation import GenerationParams, generate
 from kvrt.engine.sampling import SamplingParams
 from kvrt.serve.agent import Agent, ContextPolicy
-from kvrt.serve.estimate import context_estimate
-from kvrt.serve.ledger import LedgerDenied, VramLedger
 from kvrt.serve.registry import ModelRegistry
 from kvrt.serve.residency import Residency, Switch
 from kvrt.serve.results import (
@@ -130,7 +130,7 @@ class Scheduler(AgentService):
 
         ``policy`` is ``refuse``, ``shift`` (with ``keep``) or ``grow`` (from ``min_ctx``);
         see :class:`kvrt.serve.agent.ContextPolicy`. Refused with
-        :class:`kvrt.serve.ledger.LedgerDenied` when the model's weights plus its first
+        :class:`kvrt.accounting.ledger.LedgerDenied` when the model's weights plus its first
         context cannot fit even with every other agent swapped out.
         """
         check_agent_id(agent_id)

@@ -18,7 +18,7 @@ from kvrt.engine.sampling import SamplingParams
 from kvrt.serve.results import AgentInfo, DecodeResult, Forked, MetricsSummary, Registered, RequestMetrics
 
 if TYPE_CHECKING:
-    from kvrt.serve.ledger import VramLedger
+    from kvrt.accounting.ledger import VramLedger
     from kvrt.serve.registry import ModelRegistry
     from kvrt.state.agentstore import AgentStore, StateProblem
 

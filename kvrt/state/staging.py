@@ -3,7 +3,7 @@
 Why: a swap-in is a synchronous ``llama_state_seq_set_data`` (transfer plus 230-350 ns a
 cell of host bookkeeping); on the decode path all of it is exposed. The stager holds a
 bounded set of one-sequence *staging contexts*, each charged to a
-:class:`kvrt.serve.ledger.VramLedger`, and two worker threads: copy-in restores a
+:class:`kvrt.accounting.ledger.VramLedger`, and two worker threads: copy-in restores a
 prefetched agent's :class:`~kvrt.state.snapshot.Snapshot` into a free staging context,
 copy-out captures a swapped-out agent into the host pool (pinned on a GPU machine) and
 empties its context. The state is written straight into the KV tensors of the context
@@ -33,12 +33,12 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from kvrt.accounting.estimate import ModelShape, context_estimate
+from kvrt.accounting.ledger import VramLedger
 from kvrt.checks import check_int, shown
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.model import Model
 from kvrt.errors import InvalidArgument
-from kvrt.serve.estimate import ModelShape, context_estimate
-from kvrt.serve.ledger import VramLedger
 from kvrt.state.hostpool import HostPool, default_pool
 from kvrt.state.snapshot import Snapshot, SnapshotMismatch
 from kvrt.state.staging_records import (
@@ -66,7 +66,7 @@ class KVStager:
 
     ``params`` is the staging contexts' shape (one sequence: ``n_seq_max=1``);
     ``context_bytes`` what each is charged (default: the KV and compute-buffer estimate
-    from the GGUF header, :func:`kvrt.serve.estimate.context_estimate`). ``host_pool``
+    from the GGUF header, :func:`kvrt.accounting.estimate.context_estimate`). ``host_pool``
     receives swapped-out states (default: the process's pool).
 
     Use from one caller thread (the scheduler's); the worker threads are the stager's. A
@@ -111,7 +111,7 @@ class KVStager:
     def warm(self, n: int) -> int:
         """Charge and create staging contexts now until ``n`` exist (at most ``max_contexts``); returns how many.
 
-        Raises :class:`kvrt.serve.ledger.LedgerDenied` when the ledger refuses one (those
+        Raises :class:`kvrt.accounting.ledger.LedgerDenied` when the ledger refuses one (those
         made before it stay).
         """
         n = check_int(n, "n", low=0, high=self.max_contexts)

@@ -20,9 +20,9 @@ from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
 
+from kvrt.accounting.ledger import Reservation, VramLedger
 from kvrt.engine.context import Context
 from kvrt.errors import KvrtError
-from kvrt.serve.ledger import Reservation, VramLedger
 from kvrt.state.staging_records import PendingSnapshot, PrefetchHandle, StagingFull
 
 
@@ -60,7 +60,7 @@ class SlotTable:
         self.charged = 0  # slots charged since the table was made
 
     def charge(self) -> Slot:
-        """A new slot charged to the ledger; raises :class:`~kvrt.serve.ledger.LedgerDenied`, changing nothing."""
+        """A new slot charged to the ledger; raises :class:`~kvrt.accounting.ledger.LedgerDenied`, changing nothing."""
         index = len(self.slots)
         slot = Slot(index, self.ledger.try_reserve(self.context_bytes, f"staging:{self.name}#{index}"))
         self.slots.append(slot)

@@ -4,7 +4,7 @@ Admission has to happen *before* loading (reserve, then load), so the first esti
 is read from the GGUF header alone: every tensor's byte size and where llama.cpp will
 place it, and the KV cache that the requested context implies from the architecture
 numbers. After loading, :class:`DeviceMeter` measures what the device really gave up
-so the reservation can be corrected (:meth:`kvrt.serve.ledger.VramLedger.resize`).
+so the reservation can be corrected (:meth:`kvrt.accounting.ledger.VramLedger.resize`).
 
 lmxd's hand-written ``model_vram`` table is still accepted (:func:`parse_vram_table`):
 an operator's number, where one is given, overrides the derived one.
