@@ -63,7 +63,6 @@ from kvrt.serve.results import (
     Registered,
     RequestMetrics,
     SchedulerClosed,
-    UnknownAgent,
     check_agent_id,
     ended_early,
 )
@@ -128,7 +127,7 @@ class _Agent:
     requests: int = 0
 
 
-class BatchedScheduler(AgentService):
+class BatchedScheduler(AgentService[_Agent]):
     """Register agents on models and run their turns in continuous batches (see the module docstring)."""
 
     store = None  # agents are not saved across restarts here
@@ -352,11 +351,6 @@ class BatchedScheduler(AgentService):
         self._drain(agent, started)
 
     # -- views and shutdown ---------------------------------------------------------------
-    def _agent(self, agent_id: str) -> _Agent:
-        agent = self._agents.get(agent_id)
-        if agent is None:
-            raise UnknownAgent(f"no agent {agent_id!r} is registered")
-        return agent
 
     def _open(self) -> None:
         if self._closing:

@@ -139,7 +139,7 @@ class Daemon:
     is closed; the same timeout bounds sending a reply to a client that does not read.
     """
 
-    def __init__(self, socket_path: str | os.PathLike[str], scheduler: AgentService, *,
+    def __init__(self, socket_path: str | os.PathLike[str], scheduler: AgentService[Any], *,
                  budget: Budget | None = None, max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  idle_timeout_s: float | None = DEFAULT_IDLE_TIMEOUT_S) -> None:
         if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:

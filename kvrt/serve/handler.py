@@ -35,7 +35,7 @@ log = logging.getLogger("kvrt.serve.daemon")
 class Handler:
     """Turns parsed commands into reply lines against one scheduler (no sockets here)."""
 
-    def __init__(self, scheduler: AgentService, budget: Budget | None = None,
+    def __init__(self, scheduler: AgentService[Any], budget: Budget | None = None,
                  connection_fields: Callable[[], dict[str, Any]] | None = None) -> None:
         self.scheduler = scheduler
         self.budget = budget

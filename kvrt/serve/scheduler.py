@@ -86,7 +86,7 @@ class Turn:
     submitted: float = field(default_factory=time.perf_counter)
 
 
-class Scheduler(AgentService):
+class Scheduler(AgentService[Agent]):
     """Register agents on models, queue their requests, run them fairly on one device.
 
     ``ledger`` admits weights and contexts; ``registry`` shares models (one is made on
@@ -234,11 +234,6 @@ class Scheduler(AgentService):
             self.registry.close()
         return True
 
-    def _agent(self, agent_id: str) -> Agent:
-        agent = self._agents.get(agent_id)
-        if agent is None:
-            raise UnknownAgent(f"no agent {agent_id!r} is registered")
-        return agent
 
     def _fail_queued(self) -> None:
         """Refuse every call and request not yet started (safe while the worker runs: it pops under the lock)."""

@@ -12,10 +12,10 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, Self, TypeVar
 
 from kvrt.engine.sampling import SamplingParams
-from kvrt.serve.results import AgentInfo, DecodeResult, Forked, MetricsSummary, Registered, RequestMetrics
+from kvrt.serve.results import AgentInfo, DecodeResult, Forked, MetricsSummary, Registered, RequestMetrics, UnknownAgent
 
 if TYPE_CHECKING:
     from kvrt.accounting.ledger import VramLedger
@@ -28,8 +28,10 @@ HISTORY = 100_000
 TextFn = Callable[[str], None]
 """Receives a turn's reply text as it becomes available."""
 
+AgentT = TypeVar("AgentT")
 
-class AgentService(ABC):
+
+class AgentService(ABC, Generic[AgentT]):
     """Agents registered by name on models, each running its turns in order.
 
     Every method may be called from any thread. ``store`` is where agents outlive the
@@ -42,6 +44,7 @@ class AgentService(ABC):
     store: AgentStore | None
     state_problems: Sequence[StateProblem]
     state_restored: int
+    _agents: dict[str, AgentT]
 
     @abstractmethod
     def register(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int = 4096, *,
@@ -86,12 +89,18 @@ class AgentService(ABC):
     def close(self, timeout: float | None = None) -> bool:
         """Stop: queued turns fail, agents are saved where there is a store, everything is freed."""
 
+    def _agent(self, agent_id: str) -> AgentT:
+        agent = self._agents.get(agent_id)
+        if agent is None:
+            raise UnknownAgent(f"no agent {agent_id!r} is registered")
+        return agent
+
     def decode(self, agent_id: str, prompt: str | Sequence[int], n_tokens: int, *,
                sampling: SamplingParams | None = None, stop: Sequence[str] = ()) -> DecodeResult:
         """:meth:`submit` and wait for the result."""
         return self.submit(agent_id, prompt, n_tokens, sampling=sampling, stop=stop).result()
 
-    def __enter__(self) -> AgentService:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
