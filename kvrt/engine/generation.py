@@ -60,11 +60,18 @@ class Completion:
         return self.tokens + ([self.eog_token] if self.eog_token is not None else [])
 
 
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` could be the start of a stop string."""
+    return max((k for stop in stops for k in range(min(len(stop) - 1, len(text)), 0, -1)
+                if text.endswith(stop[:k])), default=0)
+
+
 class SequenceStream:
     """Accumulates one sequence's generated tokens and decides when it is done.
 
     Text is decoded incrementally (a token may end inside a UTF-8 character) and a
-    stop string is cut from the text, never shown, even when it spans tokens.
+    stop string is cut from the text, never shown, even when it spans tokens:
+    :meth:`release` hands out only text that no later token can turn into part of one.
     """
 
     def __init__(self, model: Model, params: GenerationParams) -> None:
@@ -74,6 +81,7 @@ class SequenceStream:
         self.text = ""
         self.finish_reason: str | None = None
         self.eog_token: int | None = None
+        self.sent = 0  # characters of ``text`` handed out by release() / rest()
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     @property
@@ -102,6 +110,19 @@ class SequenceStream:
             self.finish_reason = "length"
             return True
         return False
+
+    def release(self) -> str:
+        """Text that can go out now: everything new, less what could still begin a stop string."""
+        end = len(self.text) if self.done else len(self.text) - held_back(self.text, self.params.stop)
+        out = self.text[self.sent:max(end, self.sent)]
+        self.sent += len(out)
+        return out
+
+    def rest(self) -> str:
+        """The text not released yet (at the end)."""
+        out = self.text[self.sent:]
+        self.sent += len(out)
+        return out
 
     def completion(self, prompt_tokens: int = 0, timings_ms: dict[str, float] | None = None) -> Completion:
         return Completion(self.text, list(self.tokens), self.finish_reason or "length", prompt_tokens,
@@ -163,8 +184,12 @@ def generate(
     *,
     seq_id: int = 0,
     progress: ProgressFn | None = None,
+    on_text: Callable[[str], None] | None = None,
 ) -> Completion:
     """Complete ``prompt`` on ``seq_id``, continuing after whatever the sequence holds.
+
+    ``on_text`` receives the completion's text piece by piece as it is sampled (never a
+    piece of a stop string); the pieces join to :attr:`Completion.text`.
 
     Invariant: the last token of :attr:`Completion.sampled` is returned but not decoded
     into the KV cache (nothing needs its logits yet), every earlier one is. A caller
@@ -190,7 +215,10 @@ def generate(
             token = sampler.sample(ctx, row)
             if t_first is None:
                 t_first = time.perf_counter()
-            if stream.accept(token):
+            finished = stream.accept(token)
+            if on_text is not None and (piece := stream.release()):
+                on_text(piece)
+            if finished:
                 break
             batch.clear()
             row = batch.add(token, ctx.seq_len(seq_id), seq_id, logits=True)

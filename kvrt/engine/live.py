@@ -17,12 +17,6 @@ from kvrt.engine.requests import Request, RequestStream
 from kvrt.engine.sampling import Sampler
 
 
-def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many characters at the end of ``text`` could be the start of a stop string."""
-    return max((k for stop in stops for k in range(min(len(stop) - 1, len(text)), 0, -1)
-                if text.endswith(stop[:k])), default=0)
-
-
 @dataclass
 class Choice:
     """One output sequence: its slot, sampler, stop logic and what it released so far.
@@ -37,23 +31,16 @@ class Choice:
     stream: SequenceStream
     pos: int = 0
     pending: int | None = None
-    sent: int = 0
     finish_reason: str | None = None
     ended_by: int | None = None  # a sampled token that ended it without being output (eog, a stop token id)
 
     def release(self) -> str:
-        """Text that can go out now: everything new, less what could still begin a stop string."""
-        text = self.stream.text
-        end = len(text) if self.stream.done else len(text) - held_back(text, self.stream.params.stop)
-        out = text[self.sent:max(end, self.sent)]
-        self.sent += len(out)
-        return out
+        """Text that can go out now (see :meth:`SequenceStream.release`)."""
+        return self.stream.release()
 
     def rest(self) -> str:
         """The text not released yet (at the end)."""
-        out = self.stream.text[self.sent:]
-        self.sent += len(out)
-        return out
+        return self.stream.rest()
 
 
 @dataclass

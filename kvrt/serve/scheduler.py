@@ -151,7 +151,8 @@ class Scheduler(AgentService[Agent]):
                on_text: TextFn | None = None) -> Future[DecodeResult]:
         """Queue ``prompt`` (appended to the agent's history) and up to ``n_tokens`` of generation.
 
-        ``on_text`` receives the reply's text (here in one piece, once it is complete).
+        ``on_text`` receives the reply's text piece by piece as it is sampled (on the worker thread; it
+        must not block).
         """
         params = GenerationParams(max_tokens=n_tokens, stop=tuple(stop), sampling=sampling or SamplingParams())
         turn = Turn(prompt, params, Future(), deadline, on_text)
@@ -304,7 +305,8 @@ class Scheduler(AgentService[Agent]):
             start = agent.kv_tokens
             began = time.perf_counter()
             try:
-                completion = generate(agent.context, agent.transcript[start:] + prompt, turn.params)
+                completion = generate(agent.context, agent.transcript[start:] + prompt, turn.params,
+                                      on_text=turn.on_text)
             except BaseException:
                 agent.context.seq_rm(0, start, -1)  # back to the turn's start: the history is unchanged
                 raise
@@ -331,8 +333,6 @@ class Scheduler(AgentService[Agent]):
             agent.served_tokens += len(prompt) + len(completion.tokens)
             agent.requests += 1
             self._history.append(metrics)
-        if turn.on_text is not None and completion.text:
-            turn.on_text(completion.text)
         turn.future.set_result(DecodeResult(agent.agent_id, completion.text, completion.tokens,
                                             completion.finish_reason, tuple(switch.evicted), switch.restored,
                                             metrics))

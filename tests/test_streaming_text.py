@@ -1,0 +1,62 @@
+"""Text streamed piece by piece, by generate() and by the per-agent scheduler: the pieces are the answer.
+
+Reference: the same generation without streaming (its Completion.text). A stop string is
+chosen from the unstopped output itself, so it certainly occurs; no piece may show any of it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrt.accounting.estimate import ModelShape, context_estimate
+from kvrt.accounting.ledger import VramLedger
+from kvrt.engine.context import Context
+from kvrt.engine.generation import GenerationParams, generate, held_back
+from kvrt.serve.scheduler import Scheduler
+
+PROMPT = "The quick brown fox"
+N_TOKENS = 24
+
+
+def complete(model, params: GenerationParams, pieces: list[str] | None = None):
+    with Context(model, n_ctx=256, n_threads=1) as ctx:
+        return generate(ctx, PROMPT, params, on_text=None if pieces is None else pieces.append)
+
+
+@pytest.fixture(scope="module")
+def unstopped(tiny_model):
+    return complete(tiny_model, GenerationParams(max_tokens=N_TOKENS))
+
+
+def test_generate_streams_pieces_that_join_to_the_completion(tiny_model, unstopped):
+    pieces: list[str] = []
+    done = complete(tiny_model, GenerationParams(max_tokens=N_TOKENS), pieces)
+    assert done.text == unstopped.text and "".join(pieces) == done.text
+    assert len(pieces) > 1 and all(pieces)  # streamed as it went, never an empty piece
+
+
+def test_no_piece_shows_any_part_of_a_stop_string(tiny_model, unstopped):
+    text = unstopped.text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    assert len(stop) == 3
+    pieces: list[str] = []
+    done = complete(tiny_model, GenerationParams(max_tokens=N_TOKENS, stop=(stop,)), pieces)
+    assert done.finish_reason == "stop" and done.text == text[:text.find(stop)]
+    assert "".join(pieces) == done.text
+
+
+@pytest.mark.parametrize("text, stops, held", [
+    ("abc", ("cde",), 1), ("abcd", ("cde",), 2), ("abc", ("xyz",), 0), ("ab", ("b", "abx"), 2), ("", ("ab",), 0),
+])
+def test_held_back_is_the_longest_suffix_that_starts_a_stop(text, stops, held):
+    assert held_back(text, stops) == held
+
+
+def test_the_per_agent_scheduler_streams_while_it_generates(tiny_model_path, tiny_model, unstopped):
+    shape = ModelShape.read(tiny_model_path)
+    ledger = VramLedger(shape.weight_bytes(on_gpu=False) + context_estimate(shape, 256).total_bytes)
+    pieces: list[str] = []
+    with Scheduler(ledger, n_threads=1) as sched:
+        sched.register("a", tiny_model_path, n_ctx=256)
+        result = sched.submit("a", PROMPT, N_TOKENS, on_text=pieces.append).result(timeout=120)
+    assert result.text == unstopped.text and "".join(pieces) == result.text and len(pieces) > 1
