@@ -158,7 +158,7 @@ def prefill(
     total = len(tokens)
     chunk = ctx.n_batch
     own = batch is None
-    work = Batch(chunk) if own else batch
+    work = Batch(chunk) if batch is None else batch
     row = -1
     try:
         for begin in range(0, total, chunk):
