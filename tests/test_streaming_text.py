@@ -60,3 +60,37 @@ def test_the_per_agent_scheduler_streams_while_it_generates(tiny_model_path, tin
         sched.register("a", tiny_model_path, n_ctx=256)
         result = sched.submit("a", PROMPT, N_TOKENS, on_text=pieces.append).result(timeout=120)
     assert result.text == unstopped.text and "".join(pieces) == result.text and len(pieces) > 1
+
+
+def _scheduler(tiny_model_path) -> Scheduler:
+    shape = ModelShape.read(tiny_model_path)
+    return Scheduler(VramLedger(shape.weight_bytes(on_gpu=False) + context_estimate(shape, 256).total_bytes),
+                     n_threads=1)
+
+
+def test_cancel_stops_a_running_turn_and_the_agent_stays_its_transcript(tiny_model_path, tiny_model, unstopped):
+    counts: list[int] = []
+    with _scheduler(tiny_model_path) as sched:
+        sched.register("a", tiny_model_path, n_ctx=256)
+        result = sched.submit("a", PROMPT, N_TOKENS, on_text=lambda piece: counts.append(sched.cancel("a"))
+                              ).result(timeout=120)
+        history = sched.transcript("a")
+        follow_up = sched.decode("a", " and then", 8)
+    assert counts[0] == 1  # the running turn
+    assert result.finish_reason == "cancelled" and 0 < len(result.tokens) < N_TOKENS
+    assert unstopped.text.startswith(result.text) and result.tokens == unstopped.tokens[:len(result.tokens)]
+    assert history == tiny_model.tokenize(PROMPT) + result.tokens
+    with Context(tiny_model, n_ctx=256, n_threads=1) as ctx:  # reference: the transcript from scratch
+        reference = generate(ctx, history + tiny_model.tokenize(" and then", add_special=False),
+                             GenerationParams(max_tokens=8))
+    assert follow_up.tokens == reference.tokens
+
+
+def test_a_running_turn_stops_at_its_deadline(tiny_model_path):
+    import time
+
+    with _scheduler(tiny_model_path) as sched:
+        sched.register("a", tiny_model_path, n_ctx=256)
+        result = sched.submit("a", PROMPT, N_TOKENS, deadline=time.monotonic() + 0.2,
+                              on_text=lambda piece: time.sleep(0.1)).result(timeout=120)
+    assert result.finish_reason == "deadline" and len(result.tokens) < N_TOKENS

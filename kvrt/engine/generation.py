@@ -111,6 +111,12 @@ class SequenceStream:
             return True
         return False
 
+    def end(self, reason: str) -> None:
+        """Finish before the sequence would have (``cancelled``, ``deadline``): the text so far is the answer."""
+        if not self.done:
+            self.text += self._decoder.decode(b"", final=True)
+            self.finish_reason = reason
+
     def release(self) -> str:
         """Text that can go out now: everything new, less what could still begin a stop string."""
         end = len(self.text) if self.done else len(self.text) - held_back(self.text, self.params.stop)
@@ -185,11 +191,14 @@ def generate(
     seq_id: int = 0,
     progress: ProgressFn | None = None,
     on_text: Callable[[str], None] | None = None,
+    until: Callable[[], str | None] | None = None,
 ) -> Completion:
     """Complete ``prompt`` on ``seq_id``, continuing after whatever the sequence holds.
 
     ``on_text`` receives the completion's text piece by piece as it is sampled (never a
-    piece of a stop string); the pieces join to :attr:`Completion.text`.
+    piece of a stop string); the pieces join to :attr:`Completion.text`. ``until`` is
+    asked after every sampled token; a reason it returns (``"cancelled"``, ``"deadline"``)
+    ends the completion there, with that ``finish_reason``.
 
     Invariant: the last token of :attr:`Completion.sampled` is returned but not decoded
     into the KV cache (nothing needs its logits yet), every earlier one is. A caller
@@ -216,6 +225,9 @@ def generate(
             if t_first is None:
                 t_first = time.perf_counter()
             finished = stream.accept(token)
+            if not finished and until is not None and (reason := until()) is not None:
+                stream.end(reason)
+                finished = True
             if on_text is not None and (piece := stream.release()):
                 on_text(piece)
             if finished:

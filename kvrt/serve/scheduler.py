@@ -73,9 +73,9 @@ log = logging.getLogger("kvrt.serve.scheduler")
 class Turn:
     """A queued request of one agent: its prompt (text or token ids), when to stop, where its text goes.
 
-    ``deadline`` is a :func:`time.monotonic` instant; a turn not started by then ends with
-    ``deadline`` (a started one runs to completion here: see :mod:`kvrt.serve.batched`
-    for token-level deadlines and cancel).
+    ``deadline`` is a :func:`time.monotonic` instant: a turn not started by then ends with
+    ``deadline``, a running one stops at its next token with ``deadline``; so does a
+    cancelled one (``cancelled``), keeping what it generated.
     """
 
     prompt: str | Sequence[int]
@@ -84,6 +84,13 @@ class Turn:
     deadline: float | None = None
     on_text: TextFn | None = None
     submitted: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False  # set by Scheduler.cancel while the turn runs; read between two tokens
+
+    def end_reason(self) -> str | None:
+        """Why the running turn must stop now, if it must."""
+        if self.cancelled:
+            return "cancelled"
+        return "deadline" if self.deadline is not None and time.monotonic() >= self.deadline else None
 
 
 class Scheduler(AgentService[Agent]):
@@ -115,6 +122,7 @@ class Scheduler(AgentService[Agent]):
         self._history: deque[RequestMetrics] = deque(maxlen=HISTORY)
         self._closing = False
         self._busy = False  # the worker is running a job (set and cleared under the lock)
+        self._running: tuple[Agent, Turn] | None = None  # the turn generating now (set and cleared under the lock)
         self.store = AgentStore(state_dir) if state_dir is not None else None
         self.state_problems: list[StateProblem] = []
         self.state_restored = 0
@@ -168,15 +176,19 @@ class Scheduler(AgentService[Agent]):
         return turn.future
 
     def cancel(self, agent_id: str) -> int:
-        """End the agent's queued requests with ``cancelled``; returns how many (a running one finishes)."""
+        """End the agent's queued turns with ``cancelled`` and stop its running one at its next token;
+        returns how many."""
         with self._cond:
             agent = self._agent(agent_id)
             turns = list(agent.queue)
             agent.queue.clear()
+            running = self._running if self._running is not None and self._running[0] is agent else None
+            if running is not None:
+                running[1].cancelled = True
         now = time.perf_counter()
         for turn in turns:
             turn.future.set_result(ended_early(agent_id, "cancelled", (now - turn.submitted) * 1e3))
-        return len(turns)
+        return len(turns) + (running is not None)
 
     def activate(self, agent_id: str) -> None:
         """Give the agent its live context now (swapping others out if needed), ahead of its next turn."""
@@ -304,12 +316,17 @@ class Scheduler(AgentService[Agent]):
                 shifted = plan.drop
             start = agent.kv_tokens
             began = time.perf_counter()
+            with self._cond:
+                self._running = (agent, turn)
             try:
                 completion = generate(agent.context, agent.transcript[start:] + prompt, turn.params,
-                                      on_text=turn.on_text)
+                                      on_text=turn.on_text, until=turn.end_reason)
             except BaseException:
                 agent.context.seq_rm(0, start, -1)  # back to the turn's start: the history is unchanged
                 raise
+            finally:
+                with self._cond:
+                    self._running = None
         except BaseException as exc:
             turn.future.set_exception(exc)
             return
