@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import numpy as np
 import pytest
+from kvrt_bench._peer import GreedyReference, greedy_reference
 
 from kvrt.branching.branches import Branch, fanout, isolated_params
 from kvrt.branching.pipeline import Pipeline
@@ -51,46 +51,12 @@ BRANCHES = [Branch(q, GenerationParams(max_tokens=MAX_TOKENS), f"q{i}") for i, q
 pytestmark = pytest.mark.slow
 
 
-class Reference:
-    """Greedy tokens and, at every sampled step, the top-two logit margin of one from-scratch evaluation."""
-
-    def __init__(self, tokens: list[int], margins: list[float]) -> None:
-        self.tokens = tokens
-        self.margins = margins
-
-
 @pytest.fixture(scope="module")
 def llm(demo_model_path: Path) -> Iterator[object]:
     llama = llama_cpp_llama(demo_model_path, n_ctx=2048, n_batch=SETTINGS["n_batch"], n_ubatch=SETTINGS["n_batch"],
                             n_threads=N_THREADS, n_threads_batch=N_THREADS, flash_attn=False, verbose=False)
     yield llama
     llama.close()
-
-
-def reference(llm: object, segments: Sequence[Sequence[int]], prompt: Sequence[int], max_tokens: int) -> Reference:
-    """Evaluate ``segments`` one ``Llama.eval`` each after a reset, then let ``Llama.generate`` continue with ``prompt``."""
-    import llama_cpp
-
-    llm.reset()  # the next eval clears the cache from position 0
-    history: list[int] = []
-    for segment in segments:
-        llm.eval(list(segment))
-        history += segment
-    vocab = llama_cpp.llama_model_get_vocab(llm.model)
-    tokens: list[int] = []
-    margins: list[float] = []
-    steps = llm.generate(history + list(prompt), temp=0.0)
-    for token in steps:
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
-        top = np.partition(logits, -2)[-2:]
-        margins.append(float(abs(top[1] - top[0])))
-        if llama_cpp.llama_vocab_is_eog(vocab, token):
-            break
-        tokens.append(int(token))
-        if len(tokens) == max_tokens:
-            break
-    steps.close()
-    return Reference(tokens, margins)
 
 
 def first_divergence(got: Sequence[int], want: Sequence[int]) -> int | None:
@@ -101,7 +67,7 @@ def first_divergence(got: Sequence[int], want: Sequence[int]) -> int | None:
     return None if len(got) == len(want) else min(len(got), len(want))
 
 
-def assert_near_tie_only(got: Sequence[list[int]], refs: Sequence[Reference]) -> int:
+def assert_near_tie_only(got: Sequence[list[int]], refs: Sequence[GreedyReference]) -> int:
     """Each output equals its reference up to a step where the reference's top two logits are within TIE; returns
     how many outputs differ."""
     diverged = 0
@@ -143,14 +109,14 @@ def prompts(demo_model: Model) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def long_refs(llm, long_doc, prompts) -> list[Reference]:
-    return [reference(llm, [long_doc], p, MAX_TOKENS) for p in prompts]
+def long_refs(llm, long_doc, prompts) -> list[GreedyReference]:
+    return [greedy_reference(llm, [long_doc], p, MAX_TOKENS) for p in prompts]
 
 
 @pytest.fixture(scope="module")
-def short_refs(llm, short_doc, prompts, window) -> list[Reference]:
+def short_refs(llm, short_doc, prompts, window) -> list[GreedyReference]:
     assert all(len(short_doc) + len(p) + MAX_TOKENS <= window for p in prompts)
-    return [reference(llm, [short_doc], p, MAX_TOKENS) for p in prompts]
+    return [greedy_reference(llm, [short_doc], p, MAX_TOKENS) for p in prompts]
 
 
 def tokens_of(result) -> list[list[int]]:
@@ -246,7 +212,7 @@ def test_pipeline_watermark_branches(demo_model, llm, long_doc, short_doc, short
     pipe.branch("late", BRANCHES[1].prompt, after="doc", params=BRANCHES[1].params)
     result = pipe.run()
     assert [result.outputs[f"early{i}"].tokens for i in range(len(BRANCHES))] == [r.tokens for r in short_refs]
-    late = reference(llm, [long_doc[:mark], long_doc[mark:]], prompts[1], MAX_TOKENS)
+    late = greedy_reference(llm, [long_doc[:mark], long_doc[mark:]], prompts[1], MAX_TOKENS)
     assert_near_tie_only([result.outputs["late"].tokens], [late])
 
 
@@ -255,7 +221,7 @@ def test_exact_is_token_identical_with_flash_attention_on(demo_model, demo_model
     llama = llama_cpp_llama(demo_model_path, n_ctx=2048, n_batch=SETTINGS["n_batch"], n_ubatch=SETTINGS["n_batch"],
                             n_threads=N_THREADS, n_threads_batch=N_THREADS, flash_attn=True, verbose=False)
     try:
-        refs = [reference(llama, [long_doc], p, MAX_TOKENS).tokens for p in prompts[:2]]
+        refs = [greedy_reference(llama, [long_doc], p, MAX_TOKENS).tokens for p in prompts[:2]]
     finally:
         llama.close()
     settings = {**SETTINGS, "flash_attn": "on"}

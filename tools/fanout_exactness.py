@@ -19,7 +19,6 @@ import statistics
 import time
 
 import kvrt  # noqa: F401
-import numpy as np
 
 from kvrt.branching.branch import Branch
 from kvrt.branching.branches import fanout
@@ -27,6 +26,7 @@ from kvrt.engine.generation import GenerationParams
 from kvrt.engine.model import Model
 from kvrt.modelfiles.demo_model import demo_model_path, license_terms_text
 from kvrt.system.cpu import llama_cpp_llama
+from kvrt_bench._peer import greedy_reference
 
 QUESTIONS = [
     "\n\nIn one sentence, the document above is about",
@@ -38,28 +38,6 @@ QUESTIONS = [
 ]
 MODES = {"isolated": ("isolated", False), "isolated-exact": ("isolated", True), "shared": ("shared", False),
          "shared-exact": ("shared", True)}
-
-
-def reference(llm, doc: list[int], prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    import llama_cpp
-
-    llm.reset()
-    llm.eval(doc)
-    vocab = llama_cpp.llama_model_get_vocab(llm.model)
-    tokens: list[int] = []
-    margins: list[float] = []
-    steps = llm.generate(doc + prompt, temp=0.0)
-    for token in steps:
-        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
-        top = np.partition(logits, -2)[-2:]
-        margins.append(float(top[1] - top[0]))
-        if llama_cpp.llama_vocab_is_eog(vocab, token):
-            break
-        tokens.append(int(token))
-        if len(tokens) == max_tokens:
-            break
-    steps.close()
-    return tokens, margins
 
 
 def first_divergence(got: list[int], want: list[int]) -> int | None:
@@ -87,7 +65,7 @@ def main() -> None:
     branches = [Branch(q, GenerationParams(max_tokens=args.tokens), f"q{i}") for i, q in enumerate(questions)]
     llm = llama_cpp_llama(path, n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=args.threads,
                           n_threads_batch=args.threads, flash_attn=args.flash_attn == "on", verbose=False)
-    refs = [reference(llm, doc, model.tokenize(q, add_special=False), args.tokens) for q in questions]
+    refs = [greedy_reference(llm, [doc], model.tokenize(q, add_special=False), args.tokens) for q in questions]
     llm.close()
     report: dict[str, object] = {"doc_tokens": len(doc), "branches": len(branches), "tokens": args.tokens,
                                  "flash_attn": args.flash_attn, "threads": args.threads}
@@ -100,10 +78,10 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         got = [b.completion.tokens for b in results[-1].branches]
         diverged = {}
-        for i, (tokens, (want, margins)) in enumerate(zip(got, refs)):
-            k = first_divergence(tokens, want)
+        for i, (tokens, ref) in enumerate(zip(got, refs)):
+            k = first_divergence(tokens, ref.tokens)
             if k is not None:
-                diverged[f"q{i}"] = {"token": k, "margin": round(margins[k], 3)}
+                diverged[f"q{i}"] = {"token": k, "margin": round(ref.margins[k], 3)}
         branch_phase = [(r.total_ms - r.prefill_ms - r.fork_ms) / 1e3 for r in results]
         report[name] = {"diverged": diverged, "median_s": round(statistics.median(times), 3),
                         "times_s": [round(t, 3) for t in times],

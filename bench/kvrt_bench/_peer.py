@@ -27,6 +27,43 @@ CACHES = ("ram", "disk")
 
 
 @dataclass(frozen=True)
+class GreedyReference:
+    """Greedy tokens of one from-scratch ``Llama`` evaluation and, at every sampled step, its top-two logit margin."""
+
+    tokens: list[int]
+    margins: list[float]
+
+
+def greedy_reference(llm: Any, segments: Sequence[Sequence[int]], prompt: Sequence[int],
+                     max_tokens: int) -> GreedyReference:
+    """Evaluate ``segments`` one ``Llama.eval`` each after a reset, then let ``Llama.generate`` continue greedily
+    with ``prompt`` for at most ``max_tokens`` (an end-of-generation token ends it and is not kept)."""
+    import llama_cpp
+    import numpy as np
+
+    llm.reset()  # the next eval clears the cache from position 0
+    history: list[int] = []
+    for segment in segments:
+        llm.eval(list(segment))
+        history += segment
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    tokens: list[int] = []
+    margins: list[float] = []
+    steps = llm.generate(history + list(prompt), temp=0.0)
+    for token in steps:
+        logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(llm.n_vocab(),))
+        top = np.partition(logits, -2)[-2:]
+        margins.append(float(top[1] - top[0]))
+        if llama_cpp.llama_vocab_is_eog(vocab, token):
+            break
+        tokens.append(int(token))
+        if len(tokens) == max_tokens:
+            break
+    steps.close()
+    return GreedyReference(tokens, margins)
+
+
+@dataclass(frozen=True)
 class PeerCompletion:
     """One completion: its text, when its first token arrived and when it ended (ms from the call)."""
 
