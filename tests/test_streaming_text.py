@@ -52,20 +52,18 @@ def test_held_back_is_the_longest_suffix_that_starts_a_stop(text, stops, held):
     assert held_back(text, stops) == held
 
 
-def test_the_per_agent_scheduler_streams_while_it_generates(tiny_model_path, tiny_model, unstopped):
-    shape = ModelShape.read(tiny_model_path)
-    ledger = VramLedger(shape.weight_bytes(on_gpu=False) + context_estimate(shape, 256).total_bytes)
-    pieces: list[str] = []
-    with Scheduler(ledger, n_threads=1) as sched:
-        sched.register("a", tiny_model_path, n_ctx=256)
-        result = sched.submit("a", PROMPT, N_TOKENS, on_text=pieces.append).result(timeout=120)
-    assert result.text == unstopped.text and "".join(pieces) == result.text and len(pieces) > 1
-
-
 def _scheduler(tiny_model_path) -> Scheduler:
     shape = ModelShape.read(tiny_model_path)
     return Scheduler(VramLedger(shape.weight_bytes(on_gpu=False) + context_estimate(shape, 256).total_bytes),
                      n_threads=1)
+
+
+def test_the_per_agent_scheduler_streams_while_it_generates(tiny_model_path, tiny_model, unstopped):
+    pieces: list[str] = []
+    with _scheduler(tiny_model_path) as sched:
+        sched.register("a", tiny_model_path, n_ctx=256)
+        result = sched.submit("a", PROMPT, N_TOKENS, on_text=pieces.append).result(timeout=120)
+    assert result.text == unstopped.text and "".join(pieces) == result.text and len(pieces) > 1
 
 
 def test_cancel_stops_a_running_turn_and_the_agent_stays_its_transcript(tiny_model_path, tiny_model, unstopped):

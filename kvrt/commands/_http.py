@@ -65,15 +65,21 @@ class HttpFront:
 
     def close(self) -> None:
         self.server.stop()
-        for engine in self.engines.values():
-            engine.close()
-        for model in self.models:
-            model.close()
+        _free(self.engines, self.models)
+
+
+def _free(engines: dict[str, Engine], models: list[Model]) -> None:
+    """Close the engines, then the models they run on."""
+    for engine in engines.values():
+        engine.close()
+    for model in models:
+        model.close()
 
 
 def start_http(args: argparse.Namespace) -> HttpFront:
     """Load every ``--model``, start one engine each and serve them on ``--http`` from a background thread."""
-    from kvrt.engine.batching import Engine, EngineConfig
+    from kvrt.engine.admission import EngineConfig
+    from kvrt.engine.batching import Engine
     from kvrt.engine.model import Model
     from kvrt.modelfiles.demo_model import demo_model_path
     from kvrt.serve.openai_server import OpenAIServer
@@ -96,9 +102,6 @@ def start_http(args: argparse.Namespace) -> HttpFront:
                               request_timeout_s=getattr(args, "request_timeout_s", None))
         address = server.start(host, port)
     except BaseException:
-        for engine in engines.values():
-            engine.close()
-        for model in models:
-            model.close()
+        _free(engines, models)
         raise
     return HttpFront(server, address, engines, models)
