@@ -288,18 +288,12 @@ def test_sigterm_shuts_down_cleanly(sock_dir, tiny_model_path):
             proc.wait()
 
 
-def test_stop_finishes_the_running_request_and_refuses_queued_ones(sock_dir, tiny_model_path):
-    from test_scheduler import hold_worker
-
-    scheduler = Scheduler(VramLedger(1 << 30), n_threads=1)
-    server = Daemon(sock_dir / "stop.sock", scheduler).start()
-    with Client(server.path) as setup:
-        setup.register("a", tiny_model_path, N_CTX)
-    gate, holder = hold_worker(scheduler)  # stands for the request running when SIGTERM arrives
-    replies: list[str] = []
-
+def queue_behind(path: Path, scheduler: Scheduler, replies: list[str], *,
+                 timeout: float | None = None) -> threading.Thread:
+    """A client thread whose DECODE of agent ``a`` waits in ``scheduler``'s queue (returned once it is queued);
+    its reply code goes into ``replies`` ("OK" or the ERR code); ``timeout`` bounds the client's wait."""
     def queued() -> None:
-        with Client(server.path) as client:
+        with Client(path, timeout=timeout) as client:
             try:
                 client.decode("a", "queued behind", 2)
                 replies.append("OK")
@@ -310,6 +304,19 @@ def test_stop_finishes_the_running_request_and_refuses_queued_ones(sock_dir, tin
     waiter.start()
     while not scheduler.agents()[0].queued:
         threading.Event().wait(0.001)
+    return waiter
+
+
+def test_stop_finishes_the_running_request_and_refuses_queued_ones(sock_dir, tiny_model_path):
+    from test_scheduler import hold_worker
+
+    scheduler = Scheduler(VramLedger(1 << 30), n_threads=1)
+    server = Daemon(sock_dir / "stop.sock", scheduler).start()
+    with Client(server.path) as setup:
+        setup.register("a", tiny_model_path, N_CTX)
+    gate, holder = hold_worker(scheduler)  # stands for the request running when SIGTERM arrives
+    replies: list[str] = []
+    waiter = queue_behind(server.path, scheduler, replies)
     stopper = threading.Thread(target=server.stop)
     stopper.start()
     while not scheduler._closing:  # SIGTERM's path has reached the scheduler

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_daemon import N_CTX, daemon, raw_exchange, sock_dir  # noqa: F401  (daemon, sock_dir: fixtures)
+from test_daemon import N_CTX, daemon, queue_behind, raw_exchange, sock_dir  # noqa: F401  (daemon, sock_dir: fixtures)
 from test_scheduler import hold_worker
 
 from kvrt.accounting.estimate import EstimateError, ModelShape, context_estimate
@@ -136,18 +136,7 @@ def test_stop_is_bounded_even_when_the_running_request_never_ends(sock_dir, tiny
     gate, holder = hold_worker(scheduler)  # a request that does not finish by itself
     try:
         replies: list[str] = []
-
-        def queued() -> None:
-            with Client(server.path, timeout=WAIT_S) as client:
-                try:
-                    client.decode("a", "behind the stuck one", 2)
-                except DaemonReplyError as exc:
-                    replies.append(exc.code)
-
-        waiter = threading.Thread(target=queued)
-        waiter.start()
-        while not scheduler.agents()[0].queued:
-            threading.Event().wait(0.001)
+        waiter = queue_behind(server.path, scheduler, replies, timeout=WAIT_S)
         outcome: list[bool] = []
         stopper = threading.Thread(target=lambda: outcome.append(server.stop(timeout=0.5)))
         stopper.start()
