@@ -307,14 +307,22 @@ def queue_behind(path: Path, scheduler: Scheduler, replies: list[str], *,
     return waiter
 
 
-def test_stop_finishes_the_running_request_and_refuses_queued_ones(sock_dir, tiny_model_path):
+def held_daemon(path: Path, model_path: Path) -> tuple[Scheduler, Daemon, threading.Event, threading.Thread]:
+    """A started daemon on ``path`` with agent ``a`` registered and its scheduler's worker held by a job that
+    runs until the returned event is set (then join the returned thread)."""
     from test_scheduler import hold_worker
 
     scheduler = Scheduler(VramLedger(1 << 30), n_threads=1)
-    server = Daemon(sock_dir / "stop.sock", scheduler).start()
+    server = Daemon(path, scheduler).start()
     with Client(server.path) as setup:
-        setup.register("a", tiny_model_path, N_CTX)
-    gate, holder = hold_worker(scheduler)  # stands for the request running when SIGTERM arrives
+        setup.register("a", model_path, N_CTX)
+    gate, holder = hold_worker(scheduler)
+    return scheduler, server, gate, holder
+
+
+def test_stop_finishes_the_running_request_and_refuses_queued_ones(sock_dir, tiny_model_path):
+    # the held job stands for the request running when SIGTERM arrives
+    scheduler, server, gate, holder = held_daemon(sock_dir / "stop.sock", tiny_model_path)
     replies: list[str] = []
     waiter = queue_behind(server.path, scheduler, replies)
     stopper = threading.Thread(target=server.stop)

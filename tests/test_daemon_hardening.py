@@ -15,8 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_daemon import N_CTX, daemon, queue_behind, raw_exchange, sock_dir  # noqa: F401  (daemon, sock_dir: fixtures)
-from test_scheduler import hold_worker
+from test_daemon import N_CTX, daemon, held_daemon, queue_behind, raw_exchange, sock_dir  # noqa: F401  (daemon, sock_dir: fixtures)
 
 from kvrt.accounting.estimate import EstimateError, ModelShape, context_estimate
 from kvrt.accounting.ledger import VramLedger
@@ -129,11 +128,8 @@ def test_header_reader_refuses_non_regular_files(sock_dir):
 
 
 def test_stop_is_bounded_even_when_the_running_request_never_ends(sock_dir, tiny_model_path):
-    scheduler = Scheduler(VramLedger(1 << 30), n_threads=1)
-    server = Daemon(sock_dir / "stuck.sock", scheduler).start()
-    with Client(server.path) as setup:
-        setup.register("a", tiny_model_path, N_CTX)
-    gate, holder = hold_worker(scheduler)  # a request that does not finish by itself
+    # the held job: a request that does not finish by itself
+    scheduler, server, gate, holder = held_daemon(sock_dir / "stuck.sock", tiny_model_path)
     try:
         replies: list[str] = []
         waiter = queue_behind(server.path, scheduler, replies, timeout=WAIT_S)
