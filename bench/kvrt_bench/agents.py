@@ -28,12 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import sys
 import tempfile
-import threading
-import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -43,19 +38,20 @@ from kvrt.accounting.estimate import DeviceMeter, ModelShape, context_estimate
 from kvrt.accounting.ledger import LedgerDenied, NvmlProbe, VramLedger
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context, ContextParams
-from kvrt.engine.generation import GenerationParams, generate, prefill
+from kvrt.engine.generation import prefill
 from kvrt.engine.model import Model
 from kvrt.errors import KvrtError
 from kvrt.modelfiles.testmodels import Shape, ensure_model, write_model
 from kvrt.serve.protocol import error_reply
-from kvrt.serve.results import percentiles
 from kvrt.serve.scheduler import Scheduler
 from kvrt.state.hostpool import HostPool
 from kvrt_bench import _swap
 from kvrt_bench._bounds import DEFAULT_TOLERANCE, Bound, enforce
+from kvrt_bench._log import log
 from kvrt_bench._peer import LlamaPeer
 from kvrt_bench._plotting import draw
 from kvrt_bench._stats import check_samples, machine, write_json
+from kvrt_bench._timeslice import timeslice
 
 HELP = "seed 003: three models with huge contexts, KV swap round trip vs re-prefill, 50 agents time-sliced"
 PARTS = ("coresidence", "swap", "timeslice")
@@ -96,10 +92,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None)
 
 
-def _log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
 def _models(args: argparse.Namespace, out: Path) -> list[Path]:
     if args.models:
         paths = [Path(p) for p in args.models.split(",") if p]
@@ -130,7 +122,7 @@ def coresidence(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
               for s, n in zip(shapes, contexts)]
     result: dict[str, Any] = {"max_bytes": ledger.max_bytes, "models": [p.name for p in paths], "n_ctx": contexts,
                               "estimated_bytes": demand, "naive_demand_bytes": sum(demand)}
-    _log(f"coresidence: budget {ledger.max_bytes / 2**30:.2f} GiB; n_ctx {contexts}; naive demand "
+    log(f"coresidence: budget {ledger.max_bytes / 2**30:.2f} GiB; n_ctx {contexts}; naive demand "
          f"{sum(demand) / 2**30:.2f} GiB")
     if DeviceMeter.gpu_present():
         result["naive"] = _naive(paths, contexts, args.threads)
@@ -145,7 +137,7 @@ def coresidence(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
                 steps.append({"step": f"REGISTER agent{i}", "ok": True, **info, "owners": ledger.snapshot().by_owner})
             except LedgerDenied as exc:
                 steps.append({"step": f"REGISTER agent{i}", "ok": False, "reply": error_reply(exc)})
-            _log(f"  {steps[-1]['step']}: {'OK' if steps[-1]['ok'] else steps[-1]['reply']}")
+            log(f"  {steps[-1]['step']}: {'OK' if steps[-1]['ok'] else steps[-1]['reply']}")
         too_big = min(MAX_HUGE_CTX, int(1.1 * ledger.max_bytes / shapes[0].kv_bytes_per_token()) // 256 * 256)
         try:
             sched.register("too-big", paths[0], too_big)
@@ -153,12 +145,12 @@ def coresidence(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
             sched.unregister("too-big")
         except LedgerDenied as exc:  # the refusal lmxd would send, with its numbers; nothing else changes
             steps.append({"step": "REGISTER too-big", "ok": False, "n_ctx": too_big, "reply": error_reply(exc)})
-        _log(f"  REGISTER too-big n_ctx={too_big}: {steps[-1].get('reply', 'OK')}")
+        log(f"  REGISTER too-big n_ctx={too_big}: {steps[-1].get('reply', 'OK')}")
         for agent in [a.agent_id for a in sched.agents()] * 2:
             r = sched.decode(agent, "Hello, my name is", 8)
             steps.append({"step": f"DECODE {agent}", "evicted": list(r.evicted), "restored": r.restored,
                           "latency_ms": r.metrics.latency_ms, "owners": ledger.snapshot().by_owner})
-            _log(f"  DECODE {agent}: evicted={','.join(r.evicted) or 'none'} restored={r.restored} "
+            log(f"  DECODE {agent}: evicted={','.join(r.evicted) or 'none'} restored={r.restored} "
                  f"{r.metrics.latency_ms:.1f} ms; allocated {ledger.allocated_bytes / 2**30:.2f} GiB")
         result["kvrt_agents_admitted"] = len(sched.agents())
     result["kvrt"] = steps
@@ -178,7 +170,7 @@ def _naive(paths: list[Path], contexts: list[int], threads: int | None) -> dict[
                 outcome.append({"model": path.name, "n_ctx": n_ctx, "ok": True})
             except KvrtError as exc:
                 outcome.append({"model": path.name, "n_ctx": n_ctx, "ok": False, "error": str(exc)[:300]})
-            _log(f"  naive {path.name} n_ctx={n_ctx}: {'OK' if outcome[-1]['ok'] else 'FAILED'}")
+            log(f"  naive {path.name} n_ctx={n_ctx}: {'OK' if outcome[-1]['ok'] else 'FAILED'}")
     finally:
         for obj in reversed(held):
             obj.close()
@@ -208,7 +200,7 @@ def swap_point(model: Model, n_doc: int, args: argparse.Namespace, pool: HostPoo
     row: dict[str, Any] = {"model": model.path.name, "doc_tokens": n_doc, "ideal_kind": ideal_kind,
                            "kvrt": _swap.summarize_kvrt(trials, ideal_ms), "peer": {}}
     k = row["kvrt"]
-    _log(f"swap {model.path.name} {n_doc} tok: state {k['state_bytes'] / 1e6:.1f} MB; re-prefill "
+    log(f"swap {model.path.name} {n_doc} tok: state {k['state_bytes'] / 1e6:.1f} MB; re-prefill "
          f"{k['reprefill_ms']:.1f} ms, out {k['swap_out_ms']:.1f}, in (kept ctx) {k['swap_in_kept_ms']:.1f} "
          f"[{k['swap_in_kept_ms_min']:.1f}-{k['swap_in_kept_ms_max']:.1f}], in (fresh ctx) {k['swap_in_fresh_ms']:.1f}, switch "
          f"{k['switch_ttft_ms']:.1f} ms; ideal {ideal_ms:.1f} ms ({ideal_kind}, {k['ideal_gbps']:.1f} GB/s): fraction "
@@ -224,136 +216,11 @@ def swap_point(model: Model, n_doc: int, args: argparse.Namespace, pool: HostPoo
                         for i in range(args.trials)]
                 row["peer"][kind] = _swap.summarize_peer(runs, ideal_ms, int(np.argmax(reference)), k)
                 p = row["peer"][kind]
-                _log(f"  peer {kind}: out {p['swap_out_ms']:.1f} ms, in {p['swap_in_ms']:.1f} ms (kvrt "
+                log(f"  peer {kind}: out {p['swap_out_ms']:.1f} ms, in {p['swap_in_ms']:.1f} ms (kvrt "
                      f"{p['kvrt_swap_in_speedup']:.1f}x faster), switch {p['switch_ttft_ms']:.1f} ms (kvrt "
                      f"{p['kvrt_switch_ttft_speedup']:.1f}x); state {p['state_bytes'] / 1e6:.1f} MB; next token "
                      f"= kvrt's: {p['next_token_equals_kvrt']}")
     return row
-
-
-# -- (c) time-slicing ------------------------------------------------------------------------------
-def timeslice(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
-    shapes = [ModelShape.read(p) for p in paths]
-    on_gpu = DeviceMeter.gpu_present()
-    if on_gpu:
-        _warm_device(paths[-1], args.threads)
-    weights = sum(s.weight_bytes(on_gpu=on_gpu) for s in shapes)
-    per_ctx = max(context_estimate(s, args.agent_ctx).total_bytes for s in shapes)
-    budget = weights + args.live * per_ctx
-    if args.capacity_bytes is not None:
-        budget = min(budget, args.capacity_bytes)
-    assignment = [(f"agent{i:02d}", paths[i % len(paths)]) for i in range(args.agents)]
-    prompts = [f" Turn {r}: the fox says" for r in range(args.requests)]
-    _log(f"timeslice: {args.agents} agents over {len(paths)} models, {args.requests} requests x {args.gen_tokens} "
-         f"tokens each, budget {budget / 2**20:.1f} MiB ({args.live} live contexts)")
-
-    ledger = VramLedger(budget)
-    rounds: list[dict[str, float]] = []
-    with Scheduler(ledger, n_threads=args.threads) as sched:
-        for r in range(args.rounds):  # alternate, so load from other processes hits both sides alike
-            # fresh agents each round: both sides start from empty documents of the same length
-            agents = [(f"r{r}-{agent_id}", path) for agent_id, path in assignment]
-            for agent_id, path in agents:
-                sched.register(agent_id, path, args.agent_ctx)
-            models = {e.path: e.model for e in sched.registry.models()}  # the baseline borrows them while idle
-            base_wall, base_tokens = _back_to_back(models, agents, prompts, args)
-            wall, tokens = _closed_loop(sched, agents, prompts, args.gen_tokens)
-            ids = {agent_id for agent_id, _ in agents}
-            latency = percentiles([m.latency_ms for m in sched.history() if m.agent_id in ids])
-            for agent_id, _ in agents:
-                sched.unregister(agent_id)
-            rounds.append({"tokens_per_s": tokens / wall, "back_to_back_tokens_per_s": base_tokens / base_wall,
-                           "wall_s": wall, "back_to_back_wall_s": base_wall, "tokens": tokens,
-                           "latency_p50_ms": latency.p50, "latency_p99_ms": latency.p99,
-                           "p99_over_p50": latency.p99 / latency.p50})
-            rounds[-1]["throughput_ratio"] = rounds[-1]["tokens_per_s"] / rounds[-1]["back_to_back_tokens_per_s"]
-            _log(f"  round {len(rounds)}: time-sliced {rounds[-1]['tokens_per_s']:.1f} tok/s, back to back "
-                 f"{rounds[-1]['back_to_back_tokens_per_s']:.1f} tok/s ({rounds[-1]['throughput_ratio']:.3f}); "
-                 f"latency p50 {latency['p50']:.1f} p99 {latency['p99']:.1f} ms")
-        history = sched.history()
-        overall = sched.metrics()
-    by_agent: dict[str, list[float]] = {}
-    for m in history:
-        by_agent.setdefault(m.agent_id, []).append(m.latency_ms)
-    per_agent = {agent_id: asdict(percentiles(values)) for agent_id, values in by_agent.items()}
-    sliced_tps = statistics.median(r["tokens_per_s"] for r in rounds)
-    base_tps = statistics.median(r["back_to_back_tokens_per_s"] for r in rounds)
-    lat = asdict(overall.latency_ms)
-    result = {
-        "agents": args.agents, "requests_per_agent": args.requests, "gen_tokens": args.gen_tokens,
-        "live_contexts": args.live, "budget_bytes": budget, "rounds": rounds,
-        "tokens_per_s": sliced_tps, "back_to_back_tokens_per_s": base_tps,
-        "throughput_ratio": sliced_tps / base_tps, "latency_ms": lat, "p99_over_p50": lat["p99"] / lat["p50"],
-        "queue_wait_ms": asdict(overall.queue_wait_ms), "swap_in_ms": asdict(overall.swap_in_ms),
-        "swap_outs": overall.swap_outs, "swap_ins": overall.swap_ins,
-        "swap_in_bytes": overall.swap_in_bytes,
-        "context_creations": sum(1 for m in history if m.context_ms > 0), "per_agent_latency_ms": per_agent,
-        "per_agent_p50_spread": max(v["p50"] for v in per_agent.values()) / min(v["p50"] for v in per_agent.values()),
-        "requests": [vars(m) for m in history],
-    }
-    _log(f"  median time-sliced {sliced_tps:.1f} tok/s vs back-to-back {base_tps:.1f} tok/s "
-         f"({result['throughput_ratio']:.3f}); latency p50 {lat['p50']:.1f} p95 {lat['p95']:.1f} p99 {lat['p99']:.1f} "
-         f"ms (p99/p50 {result['p99_over_p50']:.2f}); {overall['swap_ins']} swap-ins")
-    return result
-
-
-def _closed_loop(sched: Scheduler, assignment: list[tuple[str, Path]], prompts: list[str],
-                 gen_tokens: int) -> tuple[float, int]:
-    """Every agent on its own thread sends its prompts one after another; returns (wall s, tokens)."""
-    errors: list[BaseException] = []
-    tokens = [0] * len(assignment)
-
-    def client(i: int, agent_id: str) -> None:
-        try:
-            for prompt in prompts:
-                tokens[i] += len(sched.decode(agent_id, prompt, gen_tokens).tokens)
-        except BaseException as exc:  # noqa: BLE001 — re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=client, args=(i, a)) for i, (a, _) in enumerate(assignment)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return wall, sum(tokens)
-
-
-def _warm_device(path: Path, threads: int | None) -> None:
-    """Create the process's CUDA context and library handles before anything is measured, so the
-    first model's measured load is its weights and not the runtime's one-time overhead."""
-    with Model(path) as model, Context(model, ContextParams(n_ctx=256, n_threads=threads)) as ctx:
-        generate(ctx, "warm", GenerationParams(max_tokens=2))
-
-
-def _back_to_back(models: dict[Path, Model], assignment: list[tuple[str, Path]], prompts: list[str],
-                  args: argparse.Namespace) -> tuple[float, int]:
-    """The same requests, agent after agent, nothing swapped: the best case without time-slicing.
-
-    One context per model is created and warmed by one generation before the clock
-    starts, and cleared between agents, so the baseline pays neither context creation
-    nor any state copy.
-    """
-    params = ContextParams(n_ctx=args.agent_ctx, n_batch=min(512, args.agent_ctx),
-                           n_ubatch=min(512, args.agent_ctx), n_threads=args.threads)
-    contexts = {path: Context(model, params) for path, model in models.items()}
-    try:
-        for ctx in contexts.values():
-            generate(ctx, prompts[0], GenerationParams(max_tokens=2))
-        tokens = 0
-        t0 = time.perf_counter()
-        for _, path in assignment:
-            ctx = contexts[path.resolve()]
-            ctx.clear()
-            for prompt in prompts:
-                tokens += len(generate(ctx, prompt, GenerationParams(max_tokens=args.gen_tokens)).tokens)
-        return time.perf_counter() - t0, tokens
-    finally:
-        for ctx in contexts.values():
-            ctx.close()
 
 
 # -- driver ------------------------------------------------------------------------------------------
