@@ -59,7 +59,7 @@ def timeslice(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
             rounds[-1]["throughput_ratio"] = rounds[-1]["tokens_per_s"] / rounds[-1]["back_to_back_tokens_per_s"]
             log(f"  round {len(rounds)}: time-sliced {rounds[-1]['tokens_per_s']:.1f} tok/s, back to back "
                  f"{rounds[-1]['back_to_back_tokens_per_s']:.1f} tok/s ({rounds[-1]['throughput_ratio']:.3f}); "
-                 f"latency p50 {latency['p50']:.1f} p99 {latency['p99']:.1f} ms")
+                 f"latency p50 {latency.p50:.1f} p99 {latency.p99:.1f} ms")
         history = sched.history()
         overall = sched.metrics()
     by_agent: dict[str, list[float]] = {}
@@ -83,7 +83,7 @@ def timeslice(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
     }
     log(f"  median time-sliced {sliced_tps:.1f} tok/s vs back-to-back {base_tps:.1f} tok/s "
          f"({result['throughput_ratio']:.3f}); latency p50 {lat['p50']:.1f} p95 {lat['p95']:.1f} p99 {lat['p99']:.1f} "
-         f"ms (p99/p50 {result['p99_over_p50']:.2f}); {overall['swap_ins']} swap-ins")
+         f"ms (p99/p50 {result['p99_over_p50']:.2f}); {overall.swap_ins} swap-ins")
     return result
 
 
