@@ -4,11 +4,14 @@ The way llama-cpp-python's prompt cache (``llama_cache.py``, ``_find_longest_pre
 finds a state to resume from, for kvrt snapshots: a fan-out, a pipeline watermark or a
 FORK that has the state of ``tokens[:k]`` cached restores it and decodes only the rest.
 
-Invariants: a key is exactly the token ids its snapshot holds (checked against the
-snapshot's length and, when it has one, its token hash); every snapshot is of the
-cache's one model; the cache owns its snapshots and releases each one it evicts,
+Invariants: a key is the model's fingerprint and exactly the token ids its snapshot
+holds (checked against the snapshot's length and, when it has one, its token hash), so
+one cache may hold several models' snapshots and a lookup, which names its model, never
+finds another model's; the cache owns its snapshots and releases each one it evicts,
 replaces or drops on :meth:`SnapshotCache.close`, least recently used first when the
-bytes held pass ``capacity_bytes``.
+bytes held pass ``capacity_bytes``. :meth:`SnapshotCache.restore` restores under the
+cache's lock, so a snapshot it picks cannot be evicted and released by another thread
+before it is copied.
 """
 
 from __future__ import annotations
@@ -17,22 +20,27 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvrt.engine.context import Context
+from kvrt.engine.model import ModelFingerprint
 from kvrt.state.snapshot import Snapshot, SnapshotError, SnapshotMismatch, token_hash
+
+_Key = tuple[ModelFingerprint, tuple[int, ...]]
 
 
 class SnapshotCache:
     """A least-recently-used map from token prefixes to the snapshots holding them (thread-safe).
 
-    ``capacity_bytes``: the most snapshot bytes kept (``None``: no limit). A snapshot that
-    :meth:`find` returned stays owned by the cache: use it before a later :meth:`put` can
-    evict it (a released snapshot refuses to restore).
+    ``capacity_bytes``: the most snapshot bytes kept, all models together (``None``: no
+    limit). A snapshot that :meth:`find` returned stays owned by the cache: use it before a
+    later :meth:`put` can evict it (a released snapshot refuses to restore), or let
+    :meth:`restore` pick and restore it in one step.
     """
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         if capacity_bytes is not None and capacity_bytes < 0:
             raise SnapshotError(f"capacity_bytes must be non-negative, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
-        self._entries: OrderedDict[tuple[int, ...], Snapshot] = OrderedDict()
+        self._entries: OrderedDict[_Key, Snapshot] = OrderedDict()
         self._lock = threading.Lock()
 
     @property
@@ -45,39 +53,52 @@ class SnapshotCache:
             return len(self._entries)
 
     def put(self, tokens: Sequence[int], snapshot: Snapshot) -> None:
-        """Cache ``snapshot`` (now owned by the cache) as the state of ``tokens``; evicts to stay within capacity.
+        """Cache ``snapshot`` (now owned by the cache) as its model's state of ``tokens``; evicts to stay within capacity.
 
-        A snapshot that is not the state of ``tokens`` or not of the cache's model is refused
-        and left to the caller. One larger than the whole capacity is released at once.
+        A snapshot that is not the state of ``tokens`` is refused and left to the caller.
+        One larger than the whole capacity is released at once.
         """
-        key = tuple(int(t) for t in tokens)
-        if snapshot.n_tokens != len(key):
-            raise SnapshotMismatch(f"a snapshot of {snapshot.n_tokens} tokens cannot be cached as {len(key)} tokens")
-        if snapshot.tokens_hash is not None and snapshot.tokens_hash != token_hash(key):
+        ids = tuple(int(t) for t in tokens)
+        if snapshot.n_tokens != len(ids):
+            raise SnapshotMismatch(f"a snapshot of {snapshot.n_tokens} tokens cannot be cached as {len(ids)} tokens")
+        if snapshot.tokens_hash is not None and snapshot.tokens_hash != token_hash(ids):
             raise SnapshotMismatch("the snapshot holds other token ids than its key")
+        key = (snapshot.fingerprint, ids)
         with self._lock:
-            model = next(iter(self._entries.values()), snapshot).fingerprint
-            if model != snapshot.fingerprint:
-                raise SnapshotMismatch(f"the cache holds snapshots of {model.description!r}, not of "
-                                       f"{snapshot.fingerprint.description!r}")
             replaced = self._entries.pop(key, None)
             self._entries[key] = snapshot
             evicted = self._evict()
         for old in ([replaced] if replaced is not None and replaced is not snapshot else []) + evicted:
             old.release()
 
-    def find(self, tokens: Sequence[int]) -> Snapshot | None:
-        """The snapshot of the longest cached key that is a prefix of ``tokens`` (``None``: none is)."""
-        query = tuple(int(t) for t in tokens)
+    def find(self, tokens: Sequence[int], fingerprint: ModelFingerprint) -> Snapshot | None:
+        """The snapshot of model ``fingerprint`` whose tokens are the longest cached prefix of ``tokens`` (or None)."""
         with self._lock:
-            best: tuple[int, ...] | None = None
-            for key in self._entries:
-                if len(key) <= len(query) and (best is None or len(key) > len(best)) and query[:len(key)] == key:
-                    best = key
-            if best is None:
+            found = self._prefixes(tokens, fingerprint, 0)
+            if not found:
                 return None
-            self._entries.move_to_end(best)
-            return self._entries[best]
+            self._entries.move_to_end(found[0])
+            return self._entries[found[0]]
+
+    def restore(self, tokens: Sequence[int], ctx: Context, seq_id: int = 0, *, longer_than: int = 0) -> int:
+        """Restore into ``seq_id`` of ``ctx`` the longest cached prefix of ``tokens`` that it can take; its length.
+
+        Only snapshots of ``ctx``'s model holding more than ``longer_than`` tokens are
+        considered, longest first; one whose layout or length the context cannot take
+        (:meth:`Snapshot.check_compatible`) is passed over. Returns 0, the sequence
+        untouched, when none fits.
+        """
+        with self._lock:
+            for key in self._prefixes(tokens, ctx.model.fingerprint, longer_than):
+                snapshot = self._entries[key]
+                try:
+                    snapshot.check_compatible(ctx, seq_id)
+                except SnapshotMismatch:
+                    continue
+                snapshot.restore(ctx, seq_id)
+                self._entries.move_to_end(key)
+                return snapshot.n_tokens
+        return 0
 
     def close(self) -> None:
         """Release every cached snapshot."""
@@ -104,3 +125,10 @@ class SnapshotCache:
             held -= snapshot.nbytes
             evicted.append(snapshot)
         return evicted
+
+    def _prefixes(self, tokens: Sequence[int], fingerprint: ModelFingerprint, longer_than: int) -> list[_Key]:
+        """Keys of model ``fingerprint`` longer than ``longer_than`` that prefix ``tokens``, longest first (locked)."""
+        query = tuple(int(t) for t in tokens)
+        found = [key for key in self._entries
+                 if key[0] == fingerprint and longer_than < len(key[1]) <= len(query) and query[:len(key[1])] == key[1]]
+        return sorted(found, key=lambda key: len(key[1]), reverse=True)
