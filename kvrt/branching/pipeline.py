@@ -31,101 +31,33 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvrt.branching.branch import Branch, FanoutError, branch_budget
+from kvrt.branching.pipeline_nodes import (
+    BranchNode,
+    BudgetError,
+    CycleError,
+    DependencyFailed,
+    DocumentNode,
+    FunctionNode,
+    Node,
+    NodeFailed,
+    PipelineError,
+    PipelineProgress,
+    PipelineResult,
+)
 from kvrt.branching.runner import run_isolated
 from kvrt.checks import INT32_MAX, check_int, prompt_tokens, shown
 from kvrt.engine.context import ContextParams
 from kvrt.engine.generation import GenerationParams, prefill
 from kvrt.engine.model import Model
-from kvrt.errors import KvrtError
 from kvrt.state.contextpool import ContextPool
 from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import Snapshot
 
-PipelineProgress = Callable[[str, int, int], None]
-"""Called as ``progress(document_name, tokens_committed, tokens_total)`` during a prefill."""
-
-
-class PipelineError(KvrtError):
-    """The pipeline is malformed or a node failed."""
-
-
-class CycleError(PipelineError):
-    """The dependencies form a cycle; ``edge`` is the (from, to) pair that closes it."""
-
-    def __init__(self, edge: tuple[str, str], cycle: list[str]) -> None:
-        self.edge = edge
-        self.cycle = cycle
-        super().__init__(f"dependency {edge[0]!r} -> {edge[1]!r} closes a cycle: {' -> '.join(cycle)}")
-
-
-class BudgetError(PipelineError):
-    """A branch cannot fit its document prefix, prompt and generation in one context."""
-
-
-class DependencyFailed(PipelineError):
-    """A node did not run because something it depends on failed (the cause is chained)."""
-
-
-class NodeFailed(PipelineError):
-    """Raised by :meth:`Pipeline.run` when nodes failed; ``result`` holds everything that did finish."""
-
-    def __init__(self, result: PipelineResult) -> None:
-        self.result = result
-        names = ", ".join(f"{k}: {type(v).__name__}: {v}" for k, v in result.errors.items())
-        super().__init__(f"{len(result.errors)} pipeline node(s) failed: {names}")
-
-
-@dataclass
-class _Document:
-    name: str
-    tokens: list[int]
-    deps: tuple[str, ...] = ()
-
-
-@dataclass
-class _BranchNode:
-    name: str
-    branch: Branch
-    after: str
-    need_tokens: int | None
-
-    @property
-    def deps(self) -> tuple[str, ...]:
-        return (self.after,)
-
-
-@dataclass
-class _Function:
-    name: str
-    fn: Callable[[dict[str, Any]], Any]
-    deps: tuple[str, ...]
-
-
-_Node = _Document | _BranchNode | _Function
-
-
-@dataclass
-class PipelineResult:
-    """Outputs of the nodes that finished, errors of those that did not, and per-node timings (ms).
-
-    A document's output is its token count; a branch's its :class:`kvrt.engine.generation.Completion`.
-    Timings hold ``start_ms``/``end_ms`` (from the start of ``run``) and kind-specific
-    entries: ``prefill_ms`` and ``watermark_ms`` for documents; ``activation_ms``,
-    ``restore_ms`` and ``decode_ms`` for branches.
-    """
-
-    outputs: dict[str, Any] = field(default_factory=dict)
-    errors: dict[str, BaseException] = field(default_factory=dict)
-    timings_ms: dict[str, dict[str, Any]] = field(default_factory=dict)
-    total_ms: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
+__all__ = ["BudgetError", "CycleError", "DependencyFailed", "NodeFailed", "Pipeline", "PipelineError",
+           "PipelineProgress", "PipelineResult"]
 
 
 class Pipeline:
@@ -148,7 +80,7 @@ class Pipeline:
                                     flash_attn=flash_attn)
         self.max_workers = max_workers
         self.host_pool = host_pool
-        self._nodes: dict[str, _Node] = {}
+        self._nodes: dict[str, Node] = {}
 
     # -- building -----------------------------------------------------------------------
     def _check_name(self, name: object) -> str:
@@ -163,7 +95,7 @@ class Pipeline:
         """A shared document (text, tokenized with BOS, or token ids) prefilled once; checked and tokenized now."""
         self._check_name(name)
         tokens = prompt_tokens(self.model, source, f"document {name!r}", add_special=True, error=PipelineError)
-        self._nodes[name] = _Document(name, tokens)
+        self._nodes[name] = DocumentNode(name, tokens)
 
     def branch(self, name: str, prompt: str, *, after: str, params: GenerationParams | None = None,
                need_tokens: int | None = None) -> None:
@@ -175,7 +107,7 @@ class Pipeline:
             branch = Branch(prompt, GenerationParams() if params is None else params, name)
         except FanoutError as exc:
             raise PipelineError(str(exc)) from exc
-        self._nodes[name] = _BranchNode(name, branch, after, need_tokens)
+        self._nodes[name] = BranchNode(name, branch, after, need_tokens)
 
     def node(self, name: str, fn: Callable[[dict[str, Any]], Any], *, deps: Sequence[str] = ()) -> None:
         """A function of its dependencies' outputs (``{dep_name: output}``)."""
@@ -184,7 +116,7 @@ class Pipeline:
             raise PipelineError(f"node {name!r}: fn must be callable, got {shown(fn)}")
         if isinstance(deps, str) or not isinstance(deps, Sequence) or not all(isinstance(d, str) for d in deps):
             raise PipelineError(f"node {name!r}: deps must be a list of node names, got {shown(deps)}")
-        self._nodes[name] = _Function(name, fn, tuple(deps))
+        self._nodes[name] = FunctionNode(name, fn, tuple(deps))
 
     # -- validation (nothing allocated) -----------------------------------------------
     def _check_graph(self) -> None:
@@ -192,7 +124,7 @@ class Pipeline:
             for dep in node.deps:
                 if dep not in self._nodes:
                     raise PipelineError(f"node {node.name!r} depends on {dep!r}, which does not exist")
-            if isinstance(node, _BranchNode) and not isinstance(self._nodes[node.after], _Document):
+            if isinstance(node, BranchNode) and not isinstance(self._nodes[node.after], DocumentNode):
                 raise PipelineError(f"branch {node.name!r} must follow a document; {node.after!r} is not one")
         white, grey, black = 0, 1, 2
         colour = dict.fromkeys(self._nodes, white)
@@ -218,14 +150,14 @@ class Pipeline:
         """Document tokens and each branch's watermark, after checking every budget."""
         docs: dict[str, list[int]] = {}
         for node in self._nodes.values():
-            if isinstance(node, _Document):
+            if isinstance(node, DocumentNode):
                 if len(node.tokens) > self.params.n_ctx:
                     raise BudgetError(f"document {node.name!r} has {len(node.tokens)} tokens > "
                                       f"n_ctx={self.params.n_ctx}")
                 docs[node.name] = node.tokens
         marks: dict[str, int] = {}
         for node in self._nodes.values():
-            if not isinstance(node, _BranchNode):
+            if not isinstance(node, BranchNode):
                 continue
             doc_len = len(docs[node.after])
             mark = node.need_tokens or doc_len
@@ -302,8 +234,8 @@ class _Run:
         self.result.total_ms = self._ms()
         return self.result
 
-    def _ready(self, node: _Node) -> bool:
-        if isinstance(node, _BranchNode):
+    def _ready(self, node: Node) -> bool:
+        if isinstance(node, BranchNode):
             return (node.after, self.marks[node.name]) in self.snapshots
         return all(self.state[d] == "done" for d in node.deps)
 
@@ -324,7 +256,7 @@ class _Run:
                 self.result.errors[name] = error
                 self._fail_dependents(name, error)
 
-    def _guarded(self, node: _Node, pool: ContextPool) -> None:
+    def _guarded(self, node: Node, pool: ContextPool) -> None:
         try:
             output = self._execute(node, pool)
         except BaseException as exc:  # reported to the scheduler, never swallowed
@@ -332,10 +264,10 @@ class _Run:
         else:
             self.events.put(("done", node.name, output))
 
-    def _execute(self, node: _Node, pool: ContextPool) -> Any:
-        if isinstance(node, _Document):
+    def _execute(self, node: Node, pool: ContextPool) -> Any:
+        if isinstance(node, DocumentNode):
             return self._prefill(node, pool)
-        if isinstance(node, _BranchNode):
+        if isinstance(node, BranchNode):
             snapshot = self.snapshots[(node.after, self.marks[node.name])]
             branch = run_isolated(snapshot, node.branch, pool)
             self.result.timings_ms[node.name].update(activation_ms=branch.activation_ms, restore_ms=branch.restore_ms,
@@ -343,7 +275,7 @@ class _Run:
             return branch.completion
         return node.fn({d: self.result.outputs[d] for d in node.deps})
 
-    def _prefill(self, node: _Document, pool: ContextPool) -> int:
+    def _prefill(self, node: DocumentNode, pool: ContextPool) -> int:
         tokens = self.docs[node.name]
         total = len(tokens)
         wanted = sorted({m for b, m in self.marks.items() if self.p._nodes[b].deps == (node.name,)} | {total})
