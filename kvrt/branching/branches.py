@@ -66,12 +66,21 @@ one-sequence contexts from it; shared mode leases one unified-KV context with
 max_tokens`` (build it with :func:`shared_params`) and empties it with ``seq_rm`` on
 release. Without a pool each call creates its context and frees it.
 ``FanoutResult.contexts_created`` says how many contexts a call created.
+
+Cache: pass ``cache`` (a :class:`kvrt.state.snapshot_cache.SnapshotCache`, shared with
+pipelines and other fan-outs) and the document's longest cached prefix of this model, in
+a layout the context can take, is restored instead of prefilled (``FanoutResult.reused_tokens``);
+only the rest is prefilled, then the document's state is put into the cache (unless all
+of it came from there). A restored prefix is the state the run that cached it
+prefilled, bit for bit, so the branches are what the exactness rules above say for a
+reference that decodes the cached prefix as that run cut it, then the rest: a fully
+cached document gives the tokens of a fan-out without the cache.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -87,6 +96,7 @@ from kvrt.engine.model import Model
 from kvrt.state.contextpool import ContextPool
 from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import Snapshot
+from kvrt.state.snapshot_cache import SnapshotCache
 
 __all__ = ["Branch", "BranchResult", "FanoutError", "FanoutResult", "branch_budget", "fanout", "isolated_params",
            "run_branches", "run_isolated", "shared_params"]
@@ -119,6 +129,8 @@ class FanoutResult:
     total_ms: float
     contexts_created: int = 0  # llama.cpp contexts this call created (0 when the pool had them ready)
     fork_overlapped: bool = False  # fork_ms was spent between prefill chunks, not after the prefill
+    reused_tokens: int = 0  # document tokens restored from the cache instead of prefilled (inside prefill_ms)
+    cache_ms: float = 0.0  # capturing the document for the cache where no branch needed the snapshot
 
     @property
     def texts(self) -> list[str]:
@@ -204,7 +216,8 @@ def _choose_mode(mode: Mode, n: int, shared_cells: int, limit: int, limit_name: 
 
 
 def _check_options(mode: object, fork: object, exact: object, n_batch: object, n_threads: object,
-                   flash_attn: object, max_ctx: object, pool: object, host_pool: object, progress: object) -> None:
+                   flash_attn: object, max_ctx: object, pool: object, host_pool: object, progress: object,
+                   cache: object) -> None:
     """Refuse a fan-out option of the wrong kind before anything is tokenized or allocated."""
     if not isinstance(flash_attn, str) or flash_attn not in FLASH_ATTN:
         raise FanoutError(f"flash_attn must be one of {', '.join(sorted(FLASH_ATTN))}, got {shown(flash_attn)}")
@@ -218,11 +231,33 @@ def _check_options(mode: object, fork: object, exact: object, n_batch: object, n
     for name, value in (("n_threads", n_threads), ("max_ctx", max_ctx)):
         if value is not None:
             check_int(value, name, low=1, high=INT32_MAX, error=FanoutError)
-    for name, value, kind in (("pool", pool, ContextPool), ("host_pool", host_pool, HostPool)):
+    for name, value, kind in (("pool", pool, ContextPool), ("host_pool", host_pool, HostPool),
+                              ("cache", cache, SnapshotCache)):
         if value is not None and not isinstance(value, kind):
             raise FanoutError(f"{name} must be a {kind.__name__} or None, got {shown(value)}")
     if progress is not None and not callable(progress):
         raise FanoutError(f"progress must be callable or None, got {shown(progress)}")
+
+
+def _resume(ctx: Context, doc: list[int], cache: SnapshotCache | None, batch: Batch, progress: ProgressFn | None,
+            after_chunk: Callable[[int, int], None] | None) -> int:
+    """Make sequence 0 of ``ctx`` hold ``doc``: its longest prefix in ``cache`` restored, the rest prefilled.
+
+    Returns the tokens restored (0: none). ``after_chunk`` sees the restored cells as one
+    chunk ``[0, restored)`` before the prefilled ones; ``progress`` counts the whole document.
+    """
+    reused = cache.restore(doc, ctx, 0) if cache is not None else 0
+    if reused:
+        if after_chunk is not None:
+            after_chunk(0, reused)
+        if progress is not None:
+            progress(reused, len(doc))
+    if reused < len(doc):
+        report = progress if progress is None or not reused else (
+            lambda done, _n: progress(reused + done, len(doc)))
+        prefill(ctx, doc[reused:], start_pos=reused, batch=batch, progress=report, logits_last=False,
+                after_chunk=after_chunk)
+    return reused
 
 
 def _branches(branches: object) -> list[Branch]:
@@ -239,7 +274,7 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
            mode: Mode = "auto", exact: bool = False, n_batch: int = 512, n_threads: int | None = None,
            flash_attn: str = "off", max_ctx: int | None = None, pool: ContextPool | None = None,
            host_pool: HostPool | None = None, progress: ProgressFn | None = None,
-           fork: Fork = "during_prefill") -> FanoutResult:
+           fork: Fork = "during_prefill", cache: SnapshotCache | None = None) -> FanoutResult:
     """Prefill ``document`` once and generate every branch after it (see the module docstring).
 
     ``exact=True`` makes every branch token-identical to a from-scratch evaluation under
@@ -262,9 +297,11 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
     every branch (:func:`shared_params`). Budgets are checked before any context or
     buffer is allocated; ``n_batch``, ``n_threads`` and ``flash_attn`` apply only to
     contexts created without a pool (a pool's contexts keep the pool's parameters).
+    ``cache``: restore the document's longest cached prefix and put the document's state
+    there (module docstring); the cache owns what is put into it.
     """
     t0 = time.perf_counter()
-    _check_options(mode, fork, exact, n_batch, n_threads, flash_attn, max_ctx, pool, host_pool, progress)
+    _check_options(mode, fork, exact, n_batch, n_threads, flash_attn, max_ctx, pool, host_pool, progress, cache)
     items = _branches(branches)
     doc = prompt_tokens(model, document, "the shared document", add_special=True, error=FanoutError)
     budgets = [branch_budget(model, b) for b in items]
@@ -292,7 +329,10 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
             forks = len(items) > 1 and not exact
             during = fork == "during_prefill" and forks
             t_pre = time.perf_counter()
-            prefill(ctx, doc, batch=batch, progress=progress, logits_last=False, after_chunk=share if during else None)
+            reused = _resume(ctx, doc, cache, batch, progress, share if during else None)
+            t_doc = time.perf_counter()
+            if cache is not None and reused < len(doc):
+                cache.put(doc, Snapshot.capture(ctx, 0, pool=host_pool, tokens=doc))
             t_prefilled = time.perf_counter()
             if forks and not during:
                 share(-1, -1)
@@ -300,8 +340,9 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
             results = run_branches(ctx, items, seqs, len(doc), exact=exact, t_start=t_prefilled,
                                    prompts=prompts, batch=batch)
         made = pool.created - created if pool is not None else 1
-        return FanoutResult("shared", reason, exact, len(doc), (t_prefilled - t_pre) * 1e3, fork_s * 1e3,
-                            results, (time.perf_counter() - t0) * 1e3, made, fork_overlapped=during)
+        return FanoutResult("shared", reason, exact, len(doc), (t_doc - t_pre) * 1e3, fork_s * 1e3,
+                            results, (time.perf_counter() - t0) * 1e3, made, fork_overlapped=during,
+                            reused_tokens=reused, cache_ms=(t_prefilled - t_doc) * 1e3)
 
     need = len(doc) + max(needs)
     own_pool = pool is None
@@ -315,27 +356,33 @@ def fanout(model: Model, document: str | Sequence[int], branches: Sequence[Branc
         raise FanoutError(f"the context pool's sequences have {pool.params.n_ctx} cells; document ({len(doc)}) + "
                           f"longest branch ({max(needs)}) needs {need}")
     snapshot: Snapshot | None = None
+    caching = False  # whether the document's snapshot goes into the cache at the end
     try:
         with Batch(max(pool.params.n_batch, 1)) as batch:
             with pool.lease() as ctx:
                 t_pre = time.perf_counter()
-                prefill(ctx, doc, batch=batch, progress=progress, logits_last=False)
+                reused = _resume(ctx, doc, cache, batch, progress, None)
                 t_fork = time.perf_counter()
                 here = len(items) if exact else 1  # branches that continue in this context, one after another
-                if here < len(items):  # the other branches restore this
+                caching = cache is not None and reused < len(doc)
+                if here < len(items) or caching:  # the other branches restore this, the cache keeps it
                     snapshot = Snapshot.capture(ctx, 0, pool=host_pool, tokens=doc)
                 t_captured = time.perf_counter()
                 results = run_branches(ctx, items[:here], [0] * here, len(doc), exact=True, t_start=t_captured,
                                        prompts=prompts[:here], batch=batch)
-            if snapshot is not None:
+            if snapshot is not None and here < len(items):
                 results += [run_isolated(snapshot, b, pool, prompt=prompt, batch=batch)
                             for b, prompt in zip(items[1:], prompts[1:])]
     finally:
         if snapshot is not None:
-            snapshot.release()
+            if caching and cache is not None:
+                cache.put(doc, snapshot)
+            else:
+                snapshot.release()
         made = pool.created - created
         if own_pool:
             pool.close()
-    fork_ms = (t_captured - t_fork) * 1e3 if here < len(items) else 0.0
-    return FanoutResult("isolated", reason, exact, len(doc), (t_fork - t_pre) * 1e3, fork_ms, results,
-                        (time.perf_counter() - t0) * 1e3, made)
+    capture_ms = (t_captured - t_fork) * 1e3
+    return FanoutResult("isolated", reason, exact, len(doc), (t_fork - t_pre) * 1e3,
+                        capture_ms if here < len(items) else 0.0, results, (time.perf_counter() - t0) * 1e3, made,
+                        reused_tokens=reused, cache_ms=0.0 if here < len(items) else capture_ms)

@@ -23,6 +23,14 @@ llama.cpp context that decodes the document's segments as the prefill cut them (
 watermark up to K, each in ``n_batch`` chunks), then the prompt, then each generated
 token, with the same settings and ``flash_attn="off"`` (the default), while K + the
 branch fit the model's sliding window; past it, equal up to the first near-tie.
+
+Cache: given a :class:`kvrt.state.snapshot_cache.SnapshotCache` (``cache=``, shared with
+fan-outs and other pipelines), each segment of a document's prefill first restores the
+longest cached prefix of the document up to its watermark, if longer than what the
+context holds, and prefills only the rest (``PipelineResult.reused_tokens``); when the
+run ends, every watermark's snapshot and every document's is put into the cache. A
+restored prefix is its cached state bit for bit, so the reference above then decodes
+it as the run that cached it cut it.
 """
 
 from __future__ import annotations
@@ -55,6 +63,7 @@ from kvrt.engine.model import Model
 from kvrt.state.contextpool import ContextPool
 from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import Snapshot
+from kvrt.state.snapshot_cache import SnapshotCache
 
 __all__ = ["BudgetError", "CycleError", "DependencyFailed", "NodeFailed", "Pipeline", "PipelineError",
            "PipelineProgress", "PipelineResult"]
@@ -66,20 +75,25 @@ class Pipeline:
     ``n_ctx`` is the size of every branch's context (the budget each branch is checked
     against); ``max_workers`` bounds how many nodes run at once; ``flash_attn`` is passed
     to every context (see :class:`kvrt.engine.context.ContextParams`; ``"off"``, the
-    default, keeps branches token-identical to a from-scratch evaluation).
+    default, keeps branches token-identical to a from-scratch evaluation); ``cache`` resumes
+    documents from, and leaves their watermarks' snapshots in, a snapshot cache (module docstring).
     """
 
     def __init__(self, model: Model, *, n_ctx: int = 4096, n_batch: int = 512, n_threads: int | None = None,
-                 max_workers: int = 4, host_pool: HostPool | None = None, flash_attn: str = "off") -> None:
+                 max_workers: int = 4, host_pool: HostPool | None = None, flash_attn: str = "off",
+                 cache: SnapshotCache | None = None) -> None:
         check_int(n_batch, "n_batch", low=1, high=INT32_MAX, error=PipelineError)
         check_int(max_workers, "max_workers", low=1, high=1024, error=PipelineError)
         if host_pool is not None and not isinstance(host_pool, HostPool):
             raise PipelineError(f"host_pool must be a HostPool or None, got {shown(host_pool)}")
+        if cache is not None and not isinstance(cache, SnapshotCache):
+            raise PipelineError(f"cache must be a SnapshotCache or None, got {shown(cache)}")
         self.model = model
         self.params = ContextParams(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_batch, 512), n_threads=n_threads,
                                     flash_attn=flash_attn)
         self.max_workers = max_workers
         self.host_pool = host_pool
+        self.cache = cache
         self._nodes: dict[str, Node] = {}
 
     # -- building -----------------------------------------------------------------------
@@ -228,8 +242,12 @@ class _Run:
                         self._fail_dependents(name, payload)
                     self._schedule(executor, pool)
         finally:
-            for snapshot in self.snapshots.values():
-                snapshot.release()
+            cache = self.p.cache
+            for (doc, mark), snapshot in self.snapshots.items():
+                if cache is None:
+                    snapshot.release()
+                else:
+                    cache.put(self.docs[doc][:mark], snapshot)
             pool.close()
         self.result.total_ms = self._ms()
         return self.result
@@ -282,18 +300,28 @@ class _Run:
         timings = self.result.timings_ms[node.name]
         watermark_ms: dict[int, float] = {}
         t_start = time.perf_counter()
+        prefilled = 0
         with pool.lease() as ctx:
             begin = 0
             for mark in wanted:
+                cache = self.p.cache
+                restored = 0 if cache is None else cache.restore(tokens[:mark], ctx, 0, longer_than=begin)
+                begin = max(begin, restored)
+
                 def report(done: int, _n: int, offset: int = begin) -> None:
                     if self.progress is not None:
                         self.progress(node.name, offset + done, total)
 
-                prefill(ctx, tokens[begin:mark], start_pos=begin, progress=report, logits_last=False)
+                if restored:
+                    report(0, 0)
+                if begin < mark:
+                    prefill(ctx, tokens[begin:mark], start_pos=begin, progress=report, logits_last=False)
+                    prefilled += mark - begin
                 self.snapshots[(node.name, mark)] = Snapshot.capture(ctx, 0, pool=self.p.host_pool,
                                                                      tokens=tokens[:mark])
                 watermark_ms[mark] = (time.perf_counter() - t_start) * 1e3
                 self.events.put(("mark", node.name, mark))
                 begin = mark
         timings.update(prefill_ms=(time.perf_counter() - t_start) * 1e3, watermark_ms=watermark_ms)
+        self.result.reused_tokens[node.name] = total - prefilled
         return total

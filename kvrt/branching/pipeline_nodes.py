@@ -84,13 +84,15 @@ class PipelineResult:
     A document's output is its token count; a branch's its :class:`kvrt.engine.generation.Completion`.
     Timings hold ``start_ms``/``end_ms`` (from the start of ``run``) and kind-specific
     entries: ``prefill_ms`` and ``watermark_ms`` for documents; ``activation_ms``,
-    ``restore_ms`` and ``decode_ms`` for branches.
+    ``restore_ms`` and ``decode_ms`` for branches. ``reused_tokens`` maps each prefilled
+    document to how many of its tokens a snapshot cache held, so they were not prefilled.
     """
 
     outputs: dict[str, Any] = field(default_factory=dict)
     errors: dict[str, BaseException] = field(default_factory=dict)
     timings_ms: dict[str, dict[str, Any]] = field(default_factory=dict)
     total_ms: float = 0.0
+    reused_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

@@ -53,7 +53,7 @@ class SnapshotCache:
             return len(self._entries)
 
     def put(self, tokens: Sequence[int], snapshot: Snapshot) -> None:
-        """Cache ``snapshot`` (now owned by the cache) as its model's state of ``tokens``; evicts to stay within capacity.
+        """Cache ``snapshot`` (now owned by the cache) as its model's state of ``tokens``; evicts to fit the capacity.
 
         A snapshot that is not the state of ``tokens`` is refused and left to the caller.
         One larger than the whole capacity is released at once.
