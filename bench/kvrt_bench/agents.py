@@ -135,7 +135,8 @@ def coresidence(args: argparse.Namespace, paths: list[Path]) -> dict[str, Any]:
         for i, (path, n_ctx) in enumerate(zip(paths, contexts)):
             try:
                 info = sched.register(f"agent{i}", path, n_ctx)
-                steps.append({"step": f"REGISTER agent{i}", "ok": True, **asdict(info), "owners": ledger.snapshot().by_owner})
+                steps.append({"step": f"REGISTER agent{i}", "ok": True, **asdict(info),
+                              "owners": ledger.snapshot().by_owner})
             except LedgerDenied as exc:
                 steps.append({"step": f"REGISTER agent{i}", "ok": False, "reply": error_reply(exc)})
             log(f"  {steps[-1]['step']}: {'OK' if steps[-1]['ok'] else steps[-1]['reply']}")
