@@ -173,3 +173,18 @@ def test_a_cache_of_the_wrong_kind_is_refused(tiny_model):
         fanout(tiny_model, "a document", ["a question"], cache={})
     with pytest.raises(PipelineError, match="cache must be a SnapshotCache or None, got"):
         Pipeline(tiny_model, cache=[])
+
+
+def test_demo_model_cached_document_within_the_window_keeps_exact_tokens(demo_model):
+    """Gemma 3 has sliding-window layers: within the window a restored document is its prefill's cells at its slots,
+    so exact=True from the cache is the exact fan-out's tokens (which the exactness tests hold to llama-cpp-python)."""
+    doc = demo_model.tokenize("The quick brown fox jumps over the lazy dog. " * 20)
+    assert len(doc) + 40 < 512  # document + branch inside the 512-token window
+    branches = [Branch(" Summary:", GenerationParams(max_tokens=12)),
+                Branch(" The animal", GenerationParams(max_tokens=12))]
+    plain = fanout(demo_model, doc, branches, mode="isolated", exact=True, n_threads=2)
+    with SnapshotCache() as cache:
+        fanout(demo_model, doc, branches[:1], mode="shared", exact=True, n_threads=2, cache=cache)
+        for mode in ("isolated", "shared"):
+            hit = fanout(demo_model, doc, branches, mode=mode, exact=True, n_threads=2, cache=cache)
+            assert hit.reused_tokens == len(doc) and tokens_of(hit) == tokens_of(plain), mode

@@ -72,9 +72,12 @@ pipelines and other fan-outs) and the document's longest cached prefix of this m
 a layout the context can take, is restored instead of prefilled (``FanoutResult.reused_tokens``);
 only the rest is prefilled, then the document's state is put into the cache (unless all
 of it came from there). A restored prefix is the state the run that cached it
-prefilled, bit for bit, so the branches are what the exactness rules above say for a
-reference that decodes the cached prefix as that run cut it, then the rest: a fully
-cached document gives the tokens of a fan-out without the cache.
+prefilled, bit for bit, and a restore is what isolated mode's rule above says of one:
+with a cache hit every branch, ``exact=True`` too, is token-identical to a reference
+that decodes the cached prefix as that run cut it, then the rest, while document and
+branch fit the sliding window (or on a model without one), and agrees up to its first
+near-tie past it. Within that, a wholly cached document gives the tokens of a fan-out
+without the cache.
 """
 
 from __future__ import annotations
