@@ -301,10 +301,10 @@ class _Run:
         watermark_ms: dict[int, float] = {}
         t_start = time.perf_counter()
         prefilled = 0
+        cache = self.p.cache
         with pool.lease() as ctx:
             begin = 0
             for mark in wanted:
-                cache = self.p.cache
                 restored = 0 if cache is None else cache.restore(tokens[:mark], ctx, 0, longer_than=begin)
                 begin = max(begin, restored)
 
