@@ -456,3 +456,45 @@ def test_warm_creates_charged_contexts_up_to_what_the_ledger_admits(tiny_model, 
         cold.activate(handle)
         assert handle.record is not None and handle.record.created_context
     assert ledger.allocated_bytes == 0
+
+
+def test_an_adopted_context_drains_into_a_prefetch_and_leaves_detached_with_its_charge(tiny_model, agent):
+    """adopt -> swap_out_async -> prefetch behind the drain -> detach: the agents continue like residents,
+    every charge is where it should be, trim gives idle contexts back, and refusals change nothing."""
+    snap, tokens = agent
+    other_tokens = history(tiny_model, 30)
+    ledger = VramLedger(capacity_bytes=64 * GB)
+    one = 10 << 20
+    with KVStager(tiny_model, TINY, ledger, max_contexts=1, context_bytes=one) as stager:
+        live = Context(tiny_model, TINY)
+        prefill(live, other_tokens[:-1], logits_last=False)
+        charge = ledger.try_reserve(one, "agent:x")
+        with Context(tiny_model, ContextParams(n_ctx=512, n_threads=1)) as wrong, \
+                pytest.raises(StagingError, match="n_ctx=256"):
+            stager.adopt(wrong, charge)
+        stager.adopt(live, charge)
+        assert ledger.snapshot().by_owner == {"staging:stager#0": one} and stager.held_bytes == one
+        refused = ledger.try_reserve(one, "agent:y")
+        with pytest.raises(StagingFull):  # at the bound: the charge stays the caller's
+            stager.adopt(live, refused)
+        assert ledger.snapshot().by_owner["agent:y"] == one
+        ledger.release(refused)
+        pending = stager.swap_out_async(live, tokens=other_tokens[:-1])
+        handle = stager.prefetch(snap)  # queued behind the drain of the adopted context
+        moved = pending.result()
+        ctx = stager.activate(handle)
+        assert ctx is live  # the adopted context, emptied and restored into
+        ctx, reservation = stager.detach(ctx)
+        assert reservation is charge and stager.held_bytes == 0 and stager.states() == {}
+        ledger.transfer(reservation, "agent:x")
+        assert greedy(ctx, tokens[-1], 4) == reference_after(tiny_model, tokens, 4)
+        with pytest.raises(StagingError, match="not a context this stager activated"):
+            stager.detach(ctx)
+        ctx.close()
+        ledger.release(reservation)
+        second = stager.activate(stager.prefetch(moved))  # a new staging context, charged anew
+        assert greedy(second, other_tokens[-1], 4) == reference_after(tiny_model, other_tokens, 4)
+        stager.swap_out_async(second).result().release()
+        assert stager.states() == {"free": 1} and stager.trim() == one and stager.held_bytes == 0
+        moved.release()
+    assert ledger.allocated_bytes == 0

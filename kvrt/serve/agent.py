@@ -3,7 +3,7 @@
 An :class:`Agent` is the scheduler's unit. Its ``transcript`` is every token of its
 history, in order (prompts, and every token the model sampled, an end-of-generation
 token included). Invariant, between turns: the KV cache of sequence 0 (live in
-``context`` or captured in ``snapshot``) holds exactly ``transcript[:kv_tokens]`` at
+``context`` or captured in ``snapshot``, or being captured: ``draining``) holds exactly ``transcript[:kv_tokens]`` at
 positions ``0 .. kv_tokens - 1``, and ``transcript[kv_tokens:]`` (at most the one token
 sampled last, which :func:`kvrt.engine.generation.generate` never decodes) is fed first
 with the next turn. So after any number of turns, swaps and forks the agent's state is
@@ -32,7 +32,8 @@ from kvrt.serve.results import ContextFull, InvalidArgument
 from kvrt.state.snapshot import Snapshot
 
 if TYPE_CHECKING:
-    from kvrt.serve.scheduler import Turn
+    from kvrt.serve.turn import Turn
+    from kvrt.state.staging import PendingSnapshot, PrefetchHandle
 
 POLICIES = ("refuse", "shift", "grow")
 CTX_STEP = 256  # llama.cpp rounds n_ctx up to a multiple of this
@@ -124,10 +125,14 @@ class Agent:
     last_used: int = 0
     requests: int = 0
     persisted: bool = False  # the state dir holds its current state
+    staged: PrefetchHandle | None = None  # its snapshot being restored ahead of its turn (kvrt.serve.prefetch)
+    draining: PendingSnapshot | None = None  # being swapped out on a copy thread (during another agent's turn)
 
     @property
     def state(self) -> str:
-        return "active" if self.context is not None else "swapped" if self.snapshot is not None else "cold"
+        if self.context is not None:
+            return "active"
+        return "swapped" if self.snapshot is not None or self.draining is not None else "cold"
 
     @property
     def held_tokens(self) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvrt.accounting.estimate import DeviceMeter, context_estimate
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
@@ -21,6 +22,9 @@ from kvrt.engine.context import Context, ContextParams
 from kvrt.serve.agent import Agent
 from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from kvrt.serve.prefetch import Prefetcher
 
 
 @dataclass
@@ -40,7 +44,9 @@ class Residency:
     """The live contexts of ``agents`` (shared with the scheduler), within ``ledger``.
 
     ``on_evict(agent)`` runs after an agent was swapped out to make room (the scheduler
-    saves it to its state dir there).
+    saves it to its state dir there). With a ``prefetcher`` an agent staged ahead of its
+    turn takes its staged context, and staging contexts are given back before a
+    context is refused.
     """
 
     def __init__(self, ledger: VramLedger, agents: dict[str, Agent], *, pool: HostPool | None, n_ubatch: int,
@@ -52,6 +58,7 @@ class Residency:
         self.n_threads = n_threads
         self.flash_attn = flash_attn
         self.on_evict = on_evict
+        self.prefetcher: Prefetcher | None = None
 
     def prepare(self, agent: Agent, size: int, switch: Switch) -> None:
         """Make ``agent`` live in a context of at least ``size`` cells (growing moves its state; a
@@ -80,6 +87,8 @@ class Residency:
         if agent.context is not None:
             return
         agent.persisted = False  # it is about to change: the saved state stops being current
+        if self.prefetcher is not None and self.prefetcher.take(agent, switch):
+            return
         owner = f"agent:{agent.agent_id}"
         while agent.context is None:
             try:
@@ -87,6 +96,8 @@ class Residency:
             except LedgerDenied:
                 victim = self._lru_victim(agent)
                 if victim is None:
+                    if self.prefetcher is not None and self.prefetcher.reclaim(agent):
+                        continue
                     raise
                 self.swap_out(victim, switch)
                 if self._compatible(victim, agent):  # hand the live context over instead of re-creating it
@@ -169,5 +180,3 @@ class Residency:
         if agent.reservation is not None:
             self.ledger.release(agent.reservation)
             agent.reservation = None
-
-    # -- control operations (worker thread) ------------------------------------------------

@@ -14,7 +14,10 @@ started runs to completion, so time-slicing never forces a swap in the middle of
 generation. No agent starves: every service raises the served count of the agent that
 got it.
 
-Every llama.cpp call happens on the scheduler's one worker thread; other threads only
+Every llama.cpp call is made from the scheduler's one worker thread, except the
+prefetcher's restores and captures (:mod:`kvrt.serve.prefetch`, on by default): while a
+turn runs, the agent that runs next is moved into a context of its own on a copy
+thread, so its swap-in waits only for what is left of the copy. Other threads only
 enqueue and wait on futures. With a ``state_dir`` (:mod:`kvrt.serve.statedir`) agents
 outlive the process.
 """
@@ -30,19 +33,19 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from kvrt.accounting.estimate import context_estimate
-from kvrt.accounting.ledger import LedgerDenied, VramLedger
+from kvrt.accounting.ledger import VramLedger
 from kvrt.checks import prompt_tokens
 from kvrt.engine.generation import GenerationParams, generate
 from kvrt.engine.sampling import SamplingParams
 from kvrt.serve.agent import Agent, ContextPolicy
+from kvrt.serve.forking import fork
+from kvrt.serve.membership import admit, teardown
+from kvrt.serve.prefetch import Prefetcher
 from kvrt.serve.registry import ModelRegistry
 from kvrt.serve.residency import Residency, Switch
 from kvrt.serve.results import (
-    AgentExists,
     AgentInfo,
     DecodeResult,
     Forked,
@@ -51,46 +54,18 @@ from kvrt.serve.results import (
     Registered,
     RequestMetrics,
     SchedulerClosed,
-    SchedulerError,
     UnknownAgent,
     check_agent_id,
     ended_early,
 )
 from kvrt.serve.service import HISTORY, AgentService, TextFn
 from kvrt.serve.statedir import persist, restore_all
+from kvrt.serve.turn import Turn
 from kvrt.state.agentstore import AgentStore, StateProblem
 from kvrt.state.hostpool import HostPool
-from kvrt.state.snapshot import Snapshot
 
 T = TypeVar("T")
 log = logging.getLogger("kvrt.serve.scheduler")
-
-
-"""Called with each piece of a request's text as it is generated (on the worker's thread; must not block)."""
-
-
-@dataclass
-class Turn:
-    """A queued request of one agent: its prompt (text or token ids), when to stop, where its text goes.
-
-    ``deadline`` is a :func:`time.monotonic` instant: a turn not started by then ends with
-    ``deadline``, a running one stops at its next token with ``deadline``; so does a
-    cancelled one (``cancelled``), keeping what it generated.
-    """
-
-    prompt: str | Sequence[int]
-    params: GenerationParams
-    future: Future[DecodeResult]
-    deadline: float | None = None
-    on_text: TextFn | None = None
-    submitted: float = field(default_factory=time.perf_counter)
-    cancelled: bool = False  # set by Scheduler.cancel while the turn runs; read between two tokens
-
-    def end_reason(self) -> str | None:
-        """Why the running turn must stop now, if it must."""
-        if self.cancelled:
-            return "cancelled"
-        return "deadline" if self.deadline is not None and time.monotonic() >= self.deadline else None
 
 
 class Scheduler(AgentService[Agent]):
@@ -100,12 +75,14 @@ class Scheduler(AgentService[Agent]):
     ``ledger`` when not given). ``n_threads`` and ``flash_attn`` are passed to every
     context; ``pool`` is the host pool that swapped-out states live in. ``state_dir``
     keeps agents across restarts: those saved there are restored before the constructor
-    returns.
+    returns. ``prefetch`` (default on) restores the next agent's state while the current
+    one decodes (:mod:`kvrt.serve.prefetch`); off, every swap-in is a synchronous restore
+    at the start of its turn. Either way the agents' tokens are the same.
     """
 
     def __init__(self, ledger: VramLedger, registry: ModelRegistry | None = None, *, n_ubatch: int = 512,
                  n_threads: int | None = None, flash_attn: str = "auto", pool: HostPool | None = None,
-                 state_dir: str | os.PathLike[str] | None = None) -> None:
+                 state_dir: str | os.PathLike[str] | None = None, prefetch: bool = True) -> None:
         self.ledger = ledger
         self.registry = registry or ModelRegistry(ledger)
         self._owns_registry = registry is None
@@ -116,6 +93,8 @@ class Scheduler(AgentService[Agent]):
         self._agents: dict[str, Agent] = {}
         self.residency = Residency(ledger, self._agents, pool=pool, n_ubatch=n_ubatch, n_threads=n_threads,
                                    flash_attn=flash_attn, on_evict=lambda agent: persist(self, agent))
+        self.prefetcher = Prefetcher(self.residency) if prefetch else None
+        self.residency.prefetcher = self.prefetcher
         self._control: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._cond = threading.Condition()
         self._clock = itertools.count(1)
@@ -152,7 +131,7 @@ class Scheduler(AgentService[Agent]):
     def fork(self, source_id: str, agent_id: str) -> Forked:
         """A new agent that starts from a copy of ``source_id``'s history (same model, size and policy)."""
         check_agent_id(agent_id)
-        return self._call(lambda: self._fork(source_id, agent_id))
+        return self._call(lambda: fork(self, source_id, agent_id))
 
     def submit(self, agent_id: str, prompt: str | Sequence[int], n_tokens: int, *,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (), deadline: float | None = None,
@@ -185,6 +164,9 @@ class Scheduler(AgentService[Agent]):
             running = self._running if self._running is not None and self._running[0] is agent else None
             if running is not None:
                 running[1].cancelled = True
+            if self.prefetcher is not None and not self._closing:  # the worker unstages it (settle, after any job)
+                self._control.append((lambda: None, Future()))
+                self._cond.notify()
         now = time.perf_counter()
         for turn in turns:
             turn.future.set_result(ended_early(agent_id, "cancelled", (now - turn.submitted) * 1e3))
@@ -236,10 +218,12 @@ class Scheduler(AgentService[Agent]):
                         "saved nor freed", timeout)
             return False
         self._worker.join()  # idle and told to close: it returns at once
+        if self.prefetcher is not None:
+            self.prefetcher.close()  # staged prefetches cancelled; every agent keeps its snapshot
         for agent in self._agents.values():
             persist(self, agent)
         for agent in list(self._agents.values()):
-            self._teardown(agent, SchedulerClosed("the scheduler shut down before this request ran"))
+            teardown(self, agent, SchedulerClosed("the scheduler shut down before this request ran"))
         self._agents.clear()
         if self.store is not None:
             self.store.close()
@@ -281,12 +265,13 @@ class Scheduler(AgentService[Agent]):
                     fn, future = self._control.popleft()
                     job: Callable[[], None] = functools.partial(_settle, future, fn)
                 else:
-                    agent = min((a for a in self._agents.values() if a.queue),
-                                key=lambda a: (a.served_tokens, a.context is None, a.last_used))
+                    agent = min((a for a in self._agents.values() if a.queue), key=_order)
                     job = functools.partial(self._serve, agent, agent.queue.popleft())
                 self._busy = True
             try:
                 job()
+                if self.prefetcher is not None:
+                    self.prefetcher.settle()  # between two jobs no copy is in flight (kvrt.serve.prefetch)
             except BaseException:  # a bug in one job must not stop every agent's queue
                 log.exception("scheduler job failed")
             finally:
@@ -315,6 +300,7 @@ class Scheduler(AgentService[Agent]):
                 agent.shift(plan)
                 shifted = plan.drop
             start = agent.kv_tokens
+            self._stage_next(agent, len(prompt))
             began = time.perf_counter()
             with self._cond:
                 self._running = (agent, turn)
@@ -354,32 +340,25 @@ class Scheduler(AgentService[Agent]):
                                             completion.finish_reason, tuple(switch.evicted), switch.restored,
                                             metrics))
 
+    def _stage_next(self, running: Agent, prompt: int) -> None:
+        """Prefetch the agent whose turn comes after ``running``'s (whose served count rises by at least ``prompt``)."""
+        if self.prefetcher is None:
+            return
+        with self._cond:
+            following = min((a for a in self._agents.values() if a.queue and a is not running), key=_order,
+                            default=None)
+            if following is None or (running.queue and following.served_tokens > running.served_tokens + prompt):
+                return  # nobody waits, or the running agent's own next turn comes first
+        self.prefetcher.stage(following, running)
+
     # -- activation, growth and swap ----------------------------------------------------------
     def _register(self, agent_id: str, model_path: str | os.PathLike[str], policy: ContextPolicy) -> Registered:
-        agent = self.admit(agent_id, model_path, policy, policy.first_ctx)
+        agent = admit(self, agent_id, model_path, policy, policy.first_ctx)
         with self._cond:
             self._agents[agent_id] = agent
         entry = agent.entry
         return Registered(agent_id, entry.path.name, agent.n_ctx, policy.n_ctx, policy.mode,
                           entry.reservation.nbytes, agent.context_bytes, entry.estimate_source)
-
-    def admit(self, agent_id: str, model_path: str | os.PathLike[str], policy: ContextPolicy, n_ctx: int) -> Agent:
-        """A new agent holding a reference to its (loaded) model, once it is known it can ever run (worker only)."""
-        if agent_id in self._agents:
-            raise AgentExists(f"agent {agent_id!r} is already registered")
-        shape, weight_bytes = self.registry.peek(model_path)
-        context_bytes = context_estimate(shape, n_ctx, self.n_ubatch).total_bytes
-        self._check_feasible(agent_id, weight_bytes + context_bytes)
-        return Agent(agent_id, self.registry.acquire(model_path), policy, n_ctx, context_bytes)
-
-    def _check_feasible(self, agent_id: str, request_bytes: int) -> None:
-        """Refuse an agent that could never run: even with every context swapped out it does not fit."""
-        snap = self.ledger.snapshot()
-        evictable = sum(a.reservation.nbytes for a in self._agents.values() if a.reservation is not None)
-        if snap.allocated_bytes - evictable + snap.external_bytes + request_bytes > snap.max_bytes:
-            raise LedgerDenied(owner=f"agent:{agent_id}", max_bytes=snap.max_bytes,
-                               allocated_bytes=snap.allocated_bytes, request_bytes=request_bytes,
-                               external_bytes=snap.external_bytes)
 
     def add(self, agent: Agent) -> None:
         """Make an admitted agent schedulable (worker only)."""
@@ -391,35 +370,14 @@ class Scheduler(AgentService[Agent]):
             agent = self._agents.pop(agent_id, None)
         if agent is None:
             raise UnknownAgent(f"no agent {agent_id!r} is registered")
-        self._teardown(agent, UnknownAgent(f"agent {agent_id!r} was unregistered before this request ran"))
+        teardown(self, agent, UnknownAgent(f"agent {agent_id!r} was unregistered before this request ran"))
         if self.store is not None:
             self.store.remove(agent_id)
 
-    def _teardown(self, agent: Agent, error: SchedulerError) -> None:
-        while agent.queue:
-            agent.queue.popleft().future.set_exception(error)
-        self.residency.free(agent)
-        if agent.snapshot is not None:
-            agent.snapshot.release()
-            agent.snapshot = None
-        self.registry.release(agent.entry)
 
-    def _fork(self, source_id: str, agent_id: str) -> Forked:
-        source = self._agent(source_id)
-        if agent_id in self._agents:
-            raise AgentExists(f"agent {agent_id!r} is already registered")
-        self._check_feasible(agent_id, source.context_bytes)
-        self.residency.activate(source, Switch())  # a swapped-out source is restored, then copied from its context
-        assert source.context is not None
-        snapshot = (Snapshot.capture(source.context, 0, tier="host", pool=self.pool,
-                                     tokens=source.transcript[:source.kv_tokens])
-                    if source.kv_tokens > 0 else None)
-        self.registry.acquire(source.entry.path)  # one more reference; cannot be refused, it is resident
-        agent = Agent(agent_id, source.entry, source.policy, source.n_ctx, source.context_bytes, snapshot=snapshot,
-                      transcript=list(source.transcript), kv_tokens=source.kv_tokens, keep=source.keep,
-                      served_tokens=source.served_tokens)
-        self.add(agent)
-        return Forked(agent_id, source_id, agent.held_tokens)
+def _order(agent: Agent) -> tuple[int, bool, int]:
+    """The fairness order (module docstring): least served tokens, then a live context, then least recently run."""
+    return agent.served_tokens, agent.context is None, agent.last_used
 
 
 def _settle(future: Future[T], fn: Callable[[], T]) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from kvrt.errors import KvrtError
 from kvrt.serve.agent import Agent, ContextPolicy
+from kvrt.serve.membership import admit
 from kvrt.serve.results import check_agent_id
 from kvrt.state.agentstore import AgentRecord, StateFileError, StateProblem
 from kvrt.state.snapshot import Snapshot
@@ -75,7 +76,7 @@ def _restore(sched: Scheduler, record: AgentRecord) -> None:
     except (TypeError, KvrtError) as exc:
         raise StateFileError(record.manifest_name, f"{record.manifest_name}: invalid context policy "
                                                    f"{record.policy!r}: {exc}") from None
-    agent = sched.admit(record.agent_id, record.model_path, policy, record.n_ctx)
+    agent = admit(sched, record.agent_id, record.model_path, policy, record.n_ctx)
     try:
         mismatch = record.fingerprint.mismatch(agent.entry.model.fingerprint)
         if mismatch is not None:

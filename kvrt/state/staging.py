@@ -20,7 +20,9 @@ Invariants:
   copy-in thread while ``staging``, the caller while ``active``, the copy-out thread
   while ``draining``; ``free`` and ``ready`` contexts are touched by nobody;
 * every context the stager creates is charged to the ledger before it is created and
-  released when the stager closes; at most ``max_contexts`` exist;
+  released when the stager closes or trims it, unless it was handed out with its charge
+  (:meth:`KVStager.detach`); an adopted context brings its charge in; at most
+  ``max_contexts`` are held;
 * a refusal (:class:`StagingFull`, a snapshot of another model, a context the stager did
   not activate) changes nothing; a failed capture leaves the agent active in its context.
 """
@@ -34,7 +36,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from kvrt.accounting.estimate import ModelShape, context_estimate
-from kvrt.accounting.ledger import VramLedger
+from kvrt.accounting.ledger import Reservation, VramLedger
 from kvrt.checks import check_int, shown
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.model import Model
@@ -290,6 +292,39 @@ class KVStager:
             self._times["capture"] += record.capture_ms
         future.set_result((snapshot, record))
 
+    # contexts in and out of the stager ------------------------------------------------------
+    def adopt(self, ctx: Context, reservation: Reservation) -> None:
+        """Take in a caller's live context and its ledger charge as an activated staging context.
+
+        So a context the stager did not create can be swapped out on the copy-out thread
+        (:meth:`swap_out_async`) and then staged into. Refused, changing nothing: a context of
+        another model or shape (:class:`StagingError`), the stager at ``max_contexts``
+        (:class:`StagingFull`).
+        """
+        if ctx.closed or ctx.model is not self.model or ctx.n_ctx != self.params.n_ctx or ctx.n_seq_max != 1:
+            raise StagingError(f"{shown(ctx)} is not a one-sequence context of {self.model.path.name!r} with "
+                               f"n_ctx={self.params.n_ctx}")
+        with self._lock:
+            self._check_open()
+            slot = self._table.adopt(ctx, reservation)
+            self._active[id(ctx)] = slot
+
+    def detach(self, ctx: Context) -> tuple[Context, Reservation]:
+        """Hand an activated context out of the stager for good, with its ledger charge (re-own it).
+
+        The stager holds one context fewer; a later prefetch charges and creates another.
+        """
+        with self._lock:
+            slot = self._active.pop(id(ctx), None)
+            if slot is None or slot.ctx is not ctx:
+                raise StagingError(f"{shown(ctx)} is not a context this stager activated")
+            return self._table.detach(slot)
+
+    def trim(self) -> int:
+        """Close the staging contexts nobody holds and give their charges back; returns the bytes released."""
+        with self._lock:
+            return self._table.trim() if not self._closed else 0
+
     # reporting and lifetime -------------------------------------------------------------
     @property
     def stats(self) -> StagerStats:
@@ -298,6 +333,12 @@ class KVStager:
             return StagerStats(self._table.charged, t["prefetches"], t["activations"], t["ready_at_activation"],
                                t["cancelled"], t["failed"], t["swap_outs"], t["bytes_in"], t["bytes_out"],
                                self._times["restore"], self._times["exposed"], self._times["capture"])
+
+    @property
+    def held_bytes(self) -> int:
+        """What the staging contexts held now are charged, together."""
+        with self._lock:
+            return sum(slot.reservation.nbytes for slot in self._table.slots)
 
     def states(self) -> dict[str, int]:
         """How many staging contexts are in each state now."""

@@ -10,7 +10,7 @@ context itself.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -152,6 +152,11 @@ class PrefetchHandle:
     def ready(self) -> bool:
         """Whether the staged state is in its context now (activation would not wait)."""
         return self._future is not None and self._future.done() and self._future.exception() is None
+
+    def settle(self) -> None:
+        """Wait until the copy job is over (done, failed or cancelled): its source is no longer read."""
+        if self._future is not None:
+            wait([self._future])
 
     def cancel(self) -> bool:
         """Give the staging context back (after the copy, if one is running); False if already activated."""

@@ -11,6 +11,10 @@ stages) and its ledger reservation. Its state says who may touch the context:
 ``draining``  the copy-out thread, capturing the agent; ``next`` is a prefetch that takes the
               context over when the capture is done.
 
+A slot may also come from outside (:meth:`SlotTable.adopt`, a caller's context and its
+charge) and leave with its context and charge (:meth:`SlotTable.detach`); free slots are
+closed on :meth:`SlotTable.trim`.
+
 The table is not locked itself: every method runs under its stager's lock.
 """
 
@@ -58,14 +62,49 @@ class SlotTable:
         self.name = name
         self.slots: list[Slot] = []
         self.charged = 0  # slots charged since the table was made
+        self._index = 0  # the next slot's number (slots may leave the table: numbers are not reused)
+
+    def _owner(self) -> tuple[int, str]:
+        index, self._index = self._index, self._index + 1
+        return index, f"staging:{self.name}#{index}"
 
     def charge(self) -> Slot:
         """A new slot charged to the ledger; raises :class:`~kvrt.accounting.ledger.LedgerDenied`, changing nothing."""
-        index = len(self.slots)
-        slot = Slot(index, self.ledger.try_reserve(self.context_bytes, f"staging:{self.name}#{index}"))
+        index, owner = self._owner()
+        slot = Slot(index, self.ledger.try_reserve(self.context_bytes, owner))
         self.slots.append(slot)
         self.charged += 1
         return slot
+
+    def adopt(self, ctx: Context, reservation: Reservation) -> Slot:
+        """A caller's context and its ledger charge as a new ``active`` slot (the charge now the stager's).
+
+        :class:`StagingFull` when the table is at its bound; nothing changes then.
+        """
+        if len(self.slots) >= self.max_contexts:
+            raise StagingFull(self.counts(), self.max_contexts, None)
+        index, owner = self._owner()
+        self.ledger.transfer(reservation, owner)
+        slot = Slot(index, reservation, ctx, SlotState.ACTIVE)
+        self.slots.append(slot)
+        return slot
+
+    def detach(self, slot: Slot) -> tuple[Context, Reservation]:
+        """Take an ``active`` slot out of the table: its context and charge become the caller's (re-own the charge)."""
+        assert slot.state is SlotState.ACTIVE and slot.ctx is not None
+        self.slots.remove(slot)
+        return slot.ctx, slot.reservation
+
+    def trim(self) -> int:
+        """Close every ``free`` slot's context and give its charge back; returns the bytes released."""
+        idle = [s for s in self.slots if s.state is SlotState.FREE]
+        released = 0
+        for slot in idle:
+            self.slots.remove(slot)
+            if slot.ctx is not None:
+                slot.ctx.close()
+            released += self.ledger.release(slot.reservation)
+        return released
 
     def discard(self, slot: Slot) -> None:
         """Forget a slot whose context could not be created, and its charge."""

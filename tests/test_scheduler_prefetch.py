@@ -1,0 +1,170 @@
+"""The scheduler's prefetched swap-ins (kvrt.serve.prefetch) on real llama.cpp (CPU, tiny model).
+
+References: each agent's turns in one context that is never swapped (``never_left``) and a
+from-scratch prefill of its transcript (``check_greedy``); the same agents with prefetch off.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from _reference import check_greedy
+from test_scheduler import N_CTX, budget, hold_worker, never_left
+
+from kvrt.accounting.ledger import VramLedger
+from kvrt.serve.results import UnknownAgent
+from kvrt.serve.scheduler import Scheduler
+from kvrt.state.snapshot import Snapshot
+
+AGENTS = {"a": [" The fox", " jumps over", " the dog"], "b": [" Once upon", " a time", " there was"],
+          "c": [" In the", " beginning", " of it all"]}
+N = 8
+PROBE = " and then"
+
+
+def weights(path: Path) -> int:
+    return budget(path, 1, 0)
+
+
+def run_rounds(path: Path, prefetch: bool) -> tuple[dict[str, list[list[int]]], dict[str, list[int]], Scheduler,
+                                                    VramLedger]:
+    """Three agents of one model, two live contexts, every round queued at once: most turns swap an agent in."""
+    ledger = VramLedger(budget(path, 1, 2))
+    sched = Scheduler(ledger, n_threads=1, prefetch=prefetch)
+    for name in AGENTS:
+        sched.register(name, path, N_CTX)
+    gate, holder = hold_worker(sched)
+    futures = {name: [sched.submit(name, prompt, N) for prompt in prompts] for name, prompts in AGENTS.items()}
+    gate.set()
+    holder.join()
+    got = {name: [f.result().tokens for f in fs] for name, fs in futures.items()}
+    transcripts = {name: sched.transcript(name) for name in AGENTS}
+    return got, transcripts, sched, ledger
+
+
+def staging_charges(ledger: VramLedger) -> dict[str, int]:
+    return {owner: n for owner, n in ledger.snapshot().by_owner.items() if owner.startswith("staging:")}
+
+
+def live_charges(sched: Scheduler, path: Path) -> int:
+    """What the ledger must hold: the weights and each live agent's context, nothing else."""
+    return weights(path) + sum(info.context_bytes for info in sched.agents() if info.state == "active")
+
+
+def test_prefetched_agents_continue_like_unswapped_and_unprefetched_ones(tiny_model_path):
+    got, transcripts, sched, ledger = run_rounds(tiny_model_path, prefetch=True)
+    try:
+        counts = sched.prefetcher.counts
+        assert counts.activations >= 3 and counts.early_evictions >= 3  # the staged path was taken, not fallen back
+        assert staging_charges(ledger) == {} and ledger.allocated_bytes == live_charges(sched, tiny_model_path)
+        for name in AGENTS:  # the state each agent ends with is its transcript's, as a recompute builds it
+            check_greedy(tiny_model_path, transcripts[name], PROBE, sched.decode(name, PROBE, N).tokens, name)
+    finally:
+        sched.close()
+    assert ledger.allocated_bytes == 0
+    plain, plain_transcripts, off, _ = run_rounds(tiny_model_path, prefetch=False)
+    off.close()
+    assert got == plain and transcripts == plain_transcripts
+    for name, prompts in AGENTS.items():
+        assert got[name] == never_left(tiny_model_path, prompts, N)
+
+
+def staged_during_bs_turn(path: Path, on_first_piece) -> tuple[Scheduler, VramLedger, object, object]:
+    """``a`` swapped out and prefetched while ``b`` runs a turn; ``on_first_piece`` runs at b's first text piece."""
+    ledger = VramLedger(budget(path, 1, 2))
+    sched = Scheduler(ledger, n_threads=1)
+    for name in AGENTS:
+        sched.register(name, path, N_CTX)
+    for name in ("a", "b", "c"):  # c's turn swaps a out: b and c live
+        sched.decode(name, AGENTS[name][0], N)
+    assert [i.state for i in sched.agents()] == ["swapped", "active", "active"]
+    fired = threading.Event()
+
+    def on_text(piece: str) -> None:
+        if not fired.is_set():
+            fired.set()
+            assert sched.agents()[0].state == "swapped" and sched.prefetcher.counts.staged == 1
+            on_first_piece(sched)
+
+    gate, holder = hold_worker(sched)
+    b_turn = sched.submit("b", AGENTS["b"][1], N, on_text=on_text)
+    a_turn = sched.submit("a", AGENTS["a"][1], N)
+    gate.set()
+    holder.join()
+    b_turn.result()
+    assert fired.is_set()
+    return sched, ledger, a_turn, b_turn
+
+
+def test_a_prefetched_agent_cancelled_before_it_runs_leaves_no_charge_and_continues_exactly(tiny_model_path):
+    sched, ledger, a_turn, _ = staged_during_bs_turn(tiny_model_path, lambda s: s.cancel("a"))
+    try:
+        assert a_turn.result().finish_reason == "cancelled"
+        before = sched.transcript("a")  # a call on the worker: after the turn's settle and the unstaging
+        assert staging_charges(ledger) == {} and ledger.allocated_bytes == live_charges(sched, tiny_model_path)
+        assert sched.agents()[0].state == "swapped"
+        check_greedy(tiny_model_path, before, PROBE, sched.decode("a", PROBE, N).tokens, "a")
+    finally:
+        sched.close()
+    assert ledger.allocated_bytes == 0
+
+
+def test_a_prefetched_agent_unregistered_before_it_runs_leaves_no_charge(tiny_model_path):
+    def unregister_a(sched: Scheduler) -> None:
+        threading.Thread(target=sched.unregister, args=("a",)).start()
+        while not sched._control:  # queued behind b's turn, so it runs before a's turn
+            threading.Event().wait(0.001)
+
+    sched, ledger, a_turn, _ = staged_during_bs_turn(tiny_model_path, unregister_a)
+    try:
+        with pytest.raises(UnknownAgent):
+            a_turn.result()
+        sched.transcript("b")  # a call on the worker: after the unregistering has finished
+        assert [i.agent_id for i in sched.agents()] == ["b", "c"]
+        owners = ledger.snapshot().by_owner
+        assert "agent:a" not in owners and staging_charges(ledger) == {}
+        assert ledger.allocated_bytes == live_charges(sched, tiny_model_path)
+    finally:
+        sched.close()
+    assert ledger.allocated_bytes == 0
+
+
+def test_a_failed_staging_copy_falls_back_to_the_synchronous_restore(tiny_model_path, monkeypatch):
+    restore = Snapshot.restore
+
+    def restore_on_the_worker_only(self, ctx, seq_id=0):
+        if threading.current_thread().name.startswith("kvrt-") and "-in" in threading.current_thread().name:
+            raise OSError("injected: the copy-in thread cannot restore")
+        return restore(self, ctx, seq_id)
+
+    monkeypatch.setattr(Snapshot, "restore", restore_on_the_worker_only)
+    got, transcripts, sched, ledger = run_rounds(tiny_model_path, prefetch=True)
+    try:
+        counts = sched.prefetcher.counts
+        assert counts.staged >= 3 and counts.activations == 0 and counts.fallbacks >= counts.staged
+        assert staging_charges(ledger) == {} and ledger.allocated_bytes == live_charges(sched, tiny_model_path)
+    finally:
+        sched.close()
+    assert ledger.allocated_bytes == 0
+    for name, prompts in AGENTS.items():
+        assert got[name] == never_left(tiny_model_path, prompts, N)
+
+
+def test_no_room_for_a_staging_context_falls_back(tiny_model_path, other_tiny_model_path):
+    """One live context, agents of two models: no staging context fits and no live agent has the shape."""
+    ledger = VramLedger(budget(tiny_model_path, 2, 1))
+    with Scheduler(ledger, n_threads=1) as sched:
+        sched.register("a", tiny_model_path, N_CTX)
+        sched.register("b", other_tiny_model_path, N_CTX)
+        sched.decode("a", AGENTS["a"][0], N)
+        sched.decode("b", AGENTS["b"][0], N)
+        gate, holder = hold_worker(sched)
+        turns = [sched.submit("b", AGENTS["b"][1], N), sched.submit("a", AGENTS["a"][1], N)]
+        gate.set()
+        holder.join()
+        got = [t.result().tokens for t in turns]
+        assert sched.prefetcher.counts.fallbacks >= 1 and sched.prefetcher.counts.activations == 0
+    assert got[1] == never_left(tiny_model_path, AGENTS["a"][:2], N)[1]
+    assert ledger.allocated_bytes == 0
