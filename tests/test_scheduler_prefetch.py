@@ -168,3 +168,14 @@ def test_no_room_for_a_staging_context_falls_back(tiny_model_path, other_tiny_mo
         assert sched.prefetcher.counts.fallbacks >= 1 and sched.prefetcher.counts.activations == 0
     assert got[1] == never_left(tiny_model_path, AGENTS["a"][:2], N)[1]
     assert ledger.allocated_bytes == 0
+
+
+def test_kvrt_serve_turns_prefetch_off_with_a_flag():
+    import argparse
+
+    from kvrt.commands import serve
+
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    assert parser.parse_args(["--socket", "s"]).prefetch is True
+    assert parser.parse_args(["--socket", "s", "--no-prefetch"]).prefetch is False

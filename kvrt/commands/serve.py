@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default=None,
                         help="keep agents across restarts: their state is saved here (on swap-out and at shutdown) "
                              "and restored at start")
+    parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                        help="per-agent contexts: restore the agent queued next while the current one decodes "
+                             "(--no-prefetch: every swap-in is a synchronous restore at the start of its turn)")
     parser.add_argument("--batch-slots", type=int, default=0,
                         help="decode each model's agents together in one batch per step, up to this many turns at "
                              "once, in one shared context of --batch-cells cells (0: one context per agent, swapped)")
@@ -112,7 +115,8 @@ def _run_socket(args: argparse.Namespace) -> int:
         scheduler = BatchedScheduler(ledger, registry, config=BatchConfig(
             n_ctx=args.batch_cells, n_seq_max=args.batch_slots, n_threads=args.threads))
     else:
-        scheduler = Scheduler(ledger, registry, n_threads=args.threads, state_dir=args.state_dir)
+        scheduler = Scheduler(ledger, registry, n_threads=args.threads, state_dir=args.state_dir,
+                              prefetch=args.prefetch)
     try:
         daemon = Daemon(args.socket, scheduler, budget=budget, max_connections=args.max_connections,
                         idle_timeout_s=args.idle_timeout_s or None)
