@@ -138,6 +138,30 @@ def test_sampling_a_row_without_logits_raises_instead_of_aborting(tiny_model: Mo
             sampler.sample(ctx, row - 1)
 
 
+def test_argmax_of_many_rows_is_llama_cpp_greedy_pick_of_each(tiny_model: Model) -> None:
+    """Context.argmax over a batch's rows (some without logits in between) picks what llama.cpp's own
+    greedy sampler picks for each row, and refuses a row without logits."""
+    from kvrt.bindings import lib
+
+    prompts = [tiny_model.tokenize(t) for t in ("Once upon a time", "The cat sat", "In a hole in the ground")]
+    with Context(tiny_model, n_ctx=256, n_seq_max=3, kv_unified=True) as ctx, Batch(64) as batch:
+        rows = [batch.add_sequence(p, 0, seq, logits_last=True) for seq, p in enumerate(prompts)]
+        batch.add(5, len(prompts[0]), 0, logits=True)
+        rows.append(batch.n_tokens - 1)
+        ctx.decode(batch)
+        chain = lib().llama_sampler_chain_init(lib().llama_sampler_chain_default_params())
+        lib().llama_sampler_chain_add(chain, lib().llama_sampler_init_greedy())
+        try:
+            expected = [int(lib().llama_sampler_sample(chain, ctx.ptr, row)) for row in rows]
+        finally:
+            lib().llama_sampler_free(chain)
+        assert ctx.argmax(rows) == expected
+        assert ctx.argmax(rows[::-1]) == expected[::-1]
+        assert ctx.argmax([]) == []
+        with pytest.raises(DecodeError, match="no logits"):
+            ctx.argmax([rows[0], rows[0] - 1])
+
+
 def test_use_after_free(tiny_model: Model) -> None:
     ctx = Context(tiny_model, n_ctx=64)
     ctx.close()

@@ -1,9 +1,5 @@
 """Decoding branches that continue a document already in a context: batched, one after another, or restored.
 
-Greedy branches are sampled by an argmax over the logits row (what llama.cpp's greedy
-sampler computes, first maximum on ties, without building its 150k-entry candidate
-array per token); other sampling goes through the llama.cpp sampler chain.
-
 Why ``exact`` runs branches one after another: llama.cpp's CPU kernels are not batch
 invariant. A branch decoded in one ``llama_decode`` with its siblings, or alone but with
 the siblings' cells in the same KV cache, attends over another set of cells in another
@@ -18,8 +14,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from kvrt.branching.branch import Branch, BranchResult, branch_budget
 from kvrt.engine.batch import Batch
@@ -37,17 +31,11 @@ class _Live:
     seq: int
     pos: int
     pending: list[int]
-    sampler: Sampler | None  # None: greedy, an argmax over the logits row
+    sampler: Sampler
     stream: SequenceStream
     t_start: float
     prompt_tokens: int = 0
     t_first: float | None = None
-
-    def pick(self, ctx: Context, row: int) -> int:
-        if self.sampler is None:
-            # ctx.logits raises (instead of llama.cpp aborting) on a row without logits
-            return int(np.argmax(ctx.logits(row)))
-        return self.sampler.sample(ctx, row)
 
 
 def _decode_round(ctx: Context, batch: Batch, lives: list[_Live]) -> None:
@@ -74,9 +62,11 @@ def _decode_round(ctx: Context, batch: Batch, lives: list[_Live]) -> None:
             batch.clear()
             rows = [batch.add_sequence(live.pending, live.pos, live.seq) for live in group]
             ctx.decode(batch)
+        picked = [row for live, row in zip(group, rows) if live.sampler.plain_greedy]
+        greedy = dict(zip(picked, ctx.argmax(picked)))  # every greedy branch's pick in one pass
         for live, row in zip(group, rows):
             live.pos += len(live.pending)
-            token = live.pick(ctx, row)
+            token = greedy[row] if live.sampler.plain_greedy else live.sampler.sample(ctx, row)
             if live.t_first is None:
                 live.t_first = time.perf_counter()
             live.pending = [] if live.stream.accept(token) else [token]
@@ -115,7 +105,7 @@ def run_branches(ctx: Context, branches: Sequence[Branch], seqs: Sequence[int], 
     if prompts is None:
         prompts = [branch_budget(model, b)[0] for b in branches]
     lives = [_Live(seq, start_pos, list(prompt),
-                   None if b.params.sampling.greedy else Sampler(b.params.sampling),
+                   Sampler(b.params.sampling, model=model),
                    SequenceStream(model, b.params), t0, start_pos + len(prompt))
              for b, seq, prompt in zip(branches, seqs, prompts)]
     need = max(ctx.n_batch, len(lives))
@@ -133,8 +123,7 @@ def run_branches(ctx: Context, branches: Sequence[Branch], seqs: Sequence[int], 
         return results
     finally:
         for live in lives:
-            if live.sampler is not None:
-                live.sampler.close()
+            live.sampler.close()
         if own:
             work.close()
 

@@ -339,13 +339,18 @@ class Engine:
                     self._fail(live, EngineError(f"after_chunk({r.p0}, {r.p1}) raised {exc!r}"))
 
     def _sample(self, rows: list[_Row]) -> None:
-        """Each row with logits is sampled by its choice(s); finished requests end."""
+        """Each row with logits is sampled by its choice(s); finished requests end.
+
+        The rows of plain greedy choices are picked first, by one argmax over the step's logits.
+        """
+        picked = [r.row for r in rows if self._greedy_row(r)]
+        greedy = dict(zip(picked, self.ctx.argmax(picked)))
         for r in rows:
             live = r.live
             if live.ended:
                 continue
             if r.choice is not None:
-                self._pick(live, r.choice, r.row)
+                self._pick(live, r.choice, r.row, greedy)
             elif not live.prefilling and live.pin:
                 self.cache.release(live.slot)
                 self.cache.pin(live.slot)
@@ -353,12 +358,21 @@ class Engine:
             elif not live.prefilling:
                 for choice in live.choices:
                     choice.pos = len(live.prompt)
-                    self._pick(live, choice, r.row)
+                    self._pick(live, choice, r.row, greedy)
             if live.done:
                 self._end(live)
 
-    def _pick(self, live: Live, choice: Choice, row: int) -> None:
-        token = choice.sampler.sample(self.ctx, row)
+    @staticmethod
+    def _greedy_row(r: _Row) -> bool:
+        """Whether row ``r`` will be sampled by a plain greedy choice (a decode token, or a prompt's last chunk)."""
+        if r.live.ended:
+            return False
+        if r.choice is not None:
+            return r.choice.sampler.plain_greedy
+        return not r.live.prefilling and not r.live.pin and any(c.sampler.plain_greedy for c in r.live.choices)
+
+    def _pick(self, live: Live, choice: Choice, row: int, greedy: dict[int, int]) -> None:
+        token = greedy[row] if choice.sampler.plain_greedy else choice.sampler.sample(self.ctx, row)
         if token in live.request.stop_token_ids:
             choice.ended_by = token
             self._finish(live, choice, "stop")

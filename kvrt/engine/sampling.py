@@ -138,8 +138,16 @@ class Sampler(OwnsHandle):
                 raise LlamaError("llama_sampler_init_penalties", f"returned NULL for {p}")
             lib().llama_sampler_chain_add(chain, stage)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no grammar and no penalties: the chain keeps no state, its pick is the argmax
+        (:meth:`Context.argmax` computes it for many rows at once)."""
+        return self.params.greedy and self._grammar is None and not self.params.penalized
+
     def sample(self, ctx: Context, row: int) -> int:
         """Pick the next token from the logits of batch row ``row`` and accept it."""
+        if self.plain_greedy:
+            return ctx.argmax([row])[0]  # raises on a row without logits
         if not ctx.has_logits(row):
             # llama_sampler_sample asserts (aborts the process) on a row without logits.
             raise DecodeError("llama_sampler_sample", "no logits were computed for this row", row=row)
