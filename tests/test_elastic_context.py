@@ -114,7 +114,7 @@ class CountingContext(Context):
 
 
 def test_prepared_spares_are_used_no_context_is_created_on_the_path_and_tokens_stay_equal(tiny_model, monkeypatch):
-    monkeypatch.setattr("kvrt.memory.elastic_context.Context", CountingContext)
+    monkeypatch.setattr("kvrt.state.sized_context.Context", CountingContext)
     turns = [tiny_model.tokenize(text(200, 9))[:300], tiny_model.tokenize(text(200, 10))[:400]]
     with Context(tiny_model, n_ctx=1024) as fixed:
         expected = [generate(fixed, turn, GREEDY).tokens for turn in turns]

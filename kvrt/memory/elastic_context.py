@@ -30,26 +30,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from kvrt.accounting.estimate import ModelShape, context_estimate
-from kvrt.accounting.ledger import LedgerDenied, Reservation, VramLedger
+from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import Completion, GenerationParams, ProgressFn, generate, prefill
 from kvrt.engine.model import Model
 from kvrt.errors import KvrtError
 from kvrt.memory.elastic_records import Resize, Spare
 from kvrt.state.hostpool import HostPool
+from kvrt.state.sized_context import CTX_PAD, ChargedContext, bucket
 from kvrt.state.snapshot import Snapshot
 
 SEQ = 0  # an elastic context carries one sequence
-CTX_PAD = 256  # llama.cpp rounds n_ctx up to a multiple of this, so buckets are multiples of it
-
-
-@dataclass
-class _Sized:
-    """A created context with the ledger charge taken for it before it was created."""
-
-    ctx: Context
-    charge: Reservation | None
-    create_s: float
 
 
 @dataclass(frozen=True)
@@ -67,7 +58,7 @@ class _Swapped:
 class _HeldSpare:
     """The spare context held ready and its record in :attr:`ElasticContext.spares`."""
 
-    sized: _Sized
+    sized: ChargedContext
     record: Spare
 
 
@@ -103,7 +94,7 @@ class ElasticContext:
         self._params = replace(params or ContextParams(), n_ctx=min_ctx, n_seq_max=1, kv_unified=False)
         self._ledger = ledger
         self._shape = ModelShape.read(model.path)
-        self._live: _Sized | None = None
+        self._live: ChargedContext | None = None
         self._host = host_pool if host_pool is not None else HostPool()
         self._swapped: _Swapped | None = None
         self.resizes: list[Resize] = []
@@ -118,10 +109,7 @@ class ElasticContext:
         """The smallest bucket holding ``n_tokens`` cells."""
         if n_tokens > self.max_ctx:
             raise KvrtError(f"{n_tokens} tokens exceed this agent's max_ctx of {self.max_ctx}")
-        size = self.min_ctx
-        while size < n_tokens:
-            size *= 2
-        return min(size, self.max_ctx)
+        return bucket(n_tokens, self.min_ctx, self.max_ctx)
 
     @property
     def ctx(self) -> Context:
@@ -215,7 +203,7 @@ class ElasticContext:
         if self._spare is None:
             return 0
         spare, self._spare = self._spare, None
-        self._close(spare.sized)
+        spare.sized.close(self._ledger)
         spare.record.end("dropped", time.perf_counter())
         return spare.record.nbytes
 
@@ -304,19 +292,12 @@ class ElasticContext:
         self.resizes.append(Resize(old_n_ctx, self.n_ctx, held, state.nbytes if state is not None else 0, t_end - t0,
                                    on_path, t_captured - t0, create_s, restore_s, t_end - t_loaded, spare is not None))
 
-    def _create(self, n_ctx: int, owner: str) -> _Sized:
+    def _create(self, n_ctx: int, owner: str) -> ChargedContext:
         """Charge, then create an empty context of ``n_ctx`` cells; on failure nothing is kept."""
-        charge = self._ledger.try_reserve(self.context_bytes(n_ctx), owner) if self._ledger is not None else None
-        try:
-            t0 = time.perf_counter()
-            ctx = Context(self.model, replace(self._params, n_ctx=n_ctx))
-            return _Sized(ctx, charge, time.perf_counter() - t0)
-        except BaseException:
-            if charge is not None and self._ledger is not None:
-                self._ledger.release(charge)
-            raise
+        return ChargedContext.open(self.model, replace(self._params, n_ctx=n_ctx), self._ledger,
+                                   self.context_bytes(n_ctx), owner)
 
-    def _load(self, sized: _Sized, state: Snapshot | None) -> float:
+    def _load(self, sized: ChargedContext, state: Snapshot | None) -> float:
         """Restore ``state`` into ``sized``; returns seconds. On failure ``sized`` is closed and its charge released."""
         try:
             t0 = time.perf_counter()
@@ -324,24 +305,19 @@ class ElasticContext:
                 state.restore(sized.ctx, SEQ)
             return time.perf_counter() - t0
         except BaseException:
-            self._close(sized)
+            sized.close(self._ledger)
             raise
 
-    def _open(self, n_ctx: int, state: Snapshot | None) -> _Sized:
+    def _open(self, n_ctx: int, state: Snapshot | None) -> ChargedContext:
         """Charge, create a context of ``n_ctx`` cells and restore ``state`` into it; on failure nothing is kept."""
         sized = self._create(n_ctx, self.owner)
         self._load(sized, state)
         return sized
 
-    def _close(self, sized: _Sized) -> None:
-        sized.ctx.close()
-        if sized.charge is not None and self._ledger is not None:
-            self._ledger.release(sized.charge)
-
     def _close_live(self) -> None:
         if self._live is not None:
             live, self._live = self._live, None
-            self._close(live)
+            live.close(self._ledger)
 
     # decoding -------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], *, progress: ProgressFn | None = None) -> int:

@@ -29,6 +29,7 @@ from kvrt.accounting.ledger import Reservation
 from kvrt.engine.context import Context
 from kvrt.serve.registry import LoadedModel
 from kvrt.serve.results import ContextFull, InvalidArgument
+from kvrt.state.sized_context import CTX_PAD, bucket, padded
 from kvrt.state.snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from kvrt.state.staging import PendingSnapshot, PrefetchHandle
 
 POLICIES = ("refuse", "shift", "grow")
-CTX_STEP = 256  # llama.cpp rounds n_ctx up to a multiple of this
 
 
 def _cells(value: object, what: str) -> int:
@@ -80,17 +80,14 @@ class ContextPolicy:
         """The size of the agent's first context."""
         if self.mode != "grow":
             return self.n_ctx
-        return min(self.n_ctx, -(-(self.min_ctx or CTX_STEP) // CTX_STEP) * CTX_STEP)
+        return min(self.n_ctx, padded(self.min_ctx or CTX_PAD))
 
-    def grown(self, current: int, needed: int) -> int:
-        """The size for ``needed`` cells: ``current`` doubled until it holds them, capped at ``n_ctx``.
-
-        The headroom is bounded: the result is below ``2 * needed`` whenever it grew.
-        """
-        size = current
-        while size < needed:
-            size *= 2
-        return min(self.n_ctx, size)
+    def size_for(self, current: int, needed: int) -> int:
+        """The context size a turn needing ``needed`` cells runs in: ``current`` when it holds them, else the
+        smallest size :func:`kvrt.state.sized_context.bucket` allows from :attr:`first_ctx` (below ``2 * needed``)."""
+        if self.mode != "grow" or needed <= current:
+            return current
+        return bucket(needed, self.first_ctx, self.n_ctx)
 
     def as_record(self) -> dict[str, object]:
         return {"mode": self.mode, "n_ctx": self.n_ctx, "min_ctx": self.min_ctx, "keep": self.keep}
@@ -150,7 +147,7 @@ class Agent:
         needed = self.kv_tokens + unfed + prompt + max_tokens
         limit = self.policy.n_ctx
         if needed <= limit:
-            return Plan(self.policy.grown(self.n_ctx, needed) if self.policy.mode == "grow" else self.n_ctx)
+            return Plan(self.policy.size_for(self.n_ctx, needed))
         why = (f"agent {self.agent_id!r} holds {len(self.transcript)} tokens; + prompt ({prompt}) + max_tokens "
                f"({max_tokens}) = {needed} exceeds its n_ctx {limit}")
         if self.policy.mode != "shift":

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING
 
 from kvrt.accounting.estimate import DeviceMeter, context_estimate
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import ContextParams
 from kvrt.serve.agent import Agent
 from kvrt.state.hostpool import HostPool
+from kvrt.state.sized_context import ChargedContext
 from kvrt.state.snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -91,8 +92,10 @@ class Residency:
             return
         owner = f"agent:{agent.agent_id}"
         while agent.context is None:
+            meter = DeviceMeter()
             try:
-                reservation = self.ledger.try_reserve(agent.context_bytes, owner)
+                live = ChargedContext.open(agent.entry.model, self.params(agent.n_ctx), self.ledger,
+                                           agent.context_bytes, owner)
             except LedgerDenied:
                 victim = self._lru_victim(agent)
                 if victim is None:
@@ -108,15 +111,8 @@ class Residency:
                 else:
                     self.free(victim)
                 continue
-            try:
-                t0 = time.perf_counter()
-                meter = DeviceMeter()
-                agent.context = Context(agent.entry.model, self.params(agent.n_ctx))
-                switch.context_ms = (time.perf_counter() - t0) * 1e3
-            except BaseException:
-                self.ledger.release(reservation)
-                raise
-            agent.reservation = reservation
+            agent.context, agent.reservation = live.ctx, live.charge
+            switch.context_ms = live.create_s * 1e3
             self._correct(agent, meter.delta())
         if agent.snapshot is not None:
             t0 = time.perf_counter()
