@@ -39,8 +39,12 @@ def run_rounds(path: Path, prefetch: bool) -> tuple[dict[str, list[list[int]]], 
     futures = {name: [sched.submit(name, prompt, N) for prompt in prompts] for name, prompts in AGENTS.items()}
     gate.set()
     holder.join()
-    got = {name: [f.result().tokens for f in fs] for name, fs in futures.items()}
+    results = {name: [f.result() for f in fs] for name, fs in futures.items()}
+    got = {name: [r.tokens for r in rs] for name, rs in results.items()}
     transcripts = {name: sched.transcript(name) for name in AGENTS}
+    if prefetch:  # every early swap-out is reported by the turn it made room for
+        evictions = sum(len(r.evicted) for rs in results.values() for r in rs)
+        assert evictions >= sched.prefetcher.counts.early_evictions
     return got, transcripts, sched, ledger
 
 

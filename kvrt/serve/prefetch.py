@@ -28,7 +28,7 @@ Invariants (every method runs on the scheduler's worker thread):
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvrt.accounting.ledger import LedgerDenied
 from kvrt.engine.context import Context
@@ -61,7 +61,6 @@ class PrefetchCounts:
     activations: int = 0  # turns whose agent took a staged context
     fallbacks: int = 0  # prefetches refused, failed or unstaged: those turns restored synchronously
     early_evictions: int = 0  # agents swapped out on the copy-out thread to make room for a prefetch
-    evicted_for: dict[str, list[str]] = field(default_factory=dict)  # agent -> agents evicted for its prefetch
 
 
 class Prefetcher:
@@ -71,6 +70,7 @@ class Prefetcher:
         self.residency = residency
         self._stagers: dict[tuple[int, int], KVStager] = {}  # (id(entry), n_ctx) -> its stager
         self._drains: list[_Drain] = []
+        self._evicted_for: dict[str, list[str]] = {}  # agent -> the agents swapped out early for its next turn
         self.counts = PrefetchCounts()
 
     @property
@@ -134,6 +134,7 @@ class Prefetcher:
 
     def take(self, agent: Agent, switch: Switch) -> bool:
         """Make ``agent`` live in its staged context (with its charge); False: it is not staged, or the copy failed."""
+        switch.evicted += self._evicted_for.pop(agent.agent_id, [])  # they made room for this turn, staged or not
         handle, agent.staged = agent.staged, None
         if handle is None:
             return False
@@ -157,7 +158,6 @@ class Prefetcher:
         switch.restored = True
         switch.in_bytes += record.nbytes
         switch.in_ms += record.exposed_ms
-        switch.evicted += self.counts.evicted_for.pop(agent.agent_id, [])
         agent.snapshot.release()
         agent.snapshot = None
         self.counts.activations += 1
@@ -180,7 +180,7 @@ class Prefetcher:
                 log.warning("agent %r: early swap-out failed, it stays live: %s", victim.agent_id, exc)
                 continue
             self.counts.early_evictions += 1
-            self.counts.evicted_for.setdefault(drain.staged_for, []).append(victim.agent_id)
+            self._evicted_for.setdefault(drain.staged_for, []).append(victim.agent_id)
             self.residency.on_evict(victim)
         for agent in self.residency.agents.values():
             if agent.staged is not None and not agent.queue:
@@ -191,6 +191,7 @@ class Prefetcher:
     def drop(self, agent: Agent) -> None:
         """Unstage ``agent``: its staging context and charge go back once its copy stopped reading the snapshot."""
         handle, agent.staged = agent.staged, None
+        self._evicted_for.pop(agent.agent_id, None)
         if handle is not None:
             self._unstage(handle)
             self.counts.fallbacks += 1
