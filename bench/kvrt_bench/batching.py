@@ -65,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3, help="alternating back-to-back / batched rounds (>= 3)")
     parser.add_argument("--slots", type=int, default=64, help="turns the batched engine runs at once")
+    parser.add_argument("--n-batch", type=int, default=BatchConfig.n_batch, help="the batched engine's tokens per step")
     parser.add_argument("--ideal-steps", type=int, default=8, help="decode steps timed for the batched ideal")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--n-gpu-layers", type=int, default=-1)
@@ -134,12 +135,24 @@ def _arm(name: str, sched: Scheduler | BatchedScheduler, path: Path, model: Mode
     seconds, replies = _closed_loop(sched, convo, gen, one_at_a_time=name == "back_to_back")
     generated = sum(len(r.tokens) for rows in replies for r in rows)
     ttft = percentiles([r.metrics.first_token_ms for rows in replies for r in rows])
+    later = [r.metrics.first_token_ms for rows in replies for r in rows[1:]]
+    steady = percentiles(later) if later else ttft  # turns after the first: every agent already in flight
     lost = sum(_lost_or_mixed(model, convo[i], replies[i], sched.transcript(f"agent{i}")) for i in range(len(convo)))
     row = {"arm": name, "seconds": seconds, "generated_tokens": generated, "tokens_per_s": generated / seconds,
            "ttft_p50_ms": ttft.p50, "ttft_p99_ms": ttft.p99, "ttft_p99_over_p50": ttft.p99 / ttft.p50,
+           "steady_ttft_p50_ms": steady.p50, "steady_ttft_p99_ms": steady.p99,
+           "steady_ttft_p99_over_p50": steady.p99 / steady.p50,
            "lost_or_mixed_tokens": lost, "replies": [[r.tokens for r in rows] for rows in replies]}
+    if isinstance(sched, BatchedScheduler):
+        (stats,) = sched.engine_stats().values()
+        row |= {"steps": stats.steps, "step_ms": stats.busy_s / max(stats.steps, 1) * 1e3,
+                "decode_share_of_steps": stats.decode_s / stats.busy_s if stats.busy_s else 0.0,
+                "steps_share_of_wall": stats.busy_s / seconds}
+        _log(f"{name}: {stats.steps} steps of {row['step_ms']:.1f} ms ({row['decode_share_of_steps']:.0%} in "
+             f"llama_decode), steps {row['steps_share_of_wall']:.0%} of the wall time")
     _log(f"{name}: {generated} tokens in {seconds:.2f} s = {row['tokens_per_s']:.1f} tok/s, TTFT p50 "
-         f"{ttft.p50:.0f} ms p99 {ttft.p99:.0f} ms, lost/mixed {lost}")
+         f"{ttft.p50:.0f} ms p99 {ttft.p99:.0f} ms (turns after the first: p50 {steady.p50:.0f} p99 "
+         f"{steady.p99:.0f}), lost/mixed {lost}")
     return row
 
 
@@ -189,7 +202,8 @@ def run(args: argparse.Namespace) -> int:
         for k in range(args.rounds):
             for name in ("back_to_back", "batched"):
                 if name == "batched":
-                    config = BatchConfig(n_ctx=cells, n_seq_max=min(args.slots, args.agents), n_threads=args.threads)
+                    config = BatchConfig(n_ctx=cells, n_seq_max=min(args.slots, args.agents), n_batch=args.n_batch,
+                                         n_threads=args.threads)
                     sched: Scheduler | BatchedScheduler = BatchedScheduler(ledger, registry, config=config)
                 else:
                     sched = Scheduler(ledger, registry, n_threads=args.threads)
@@ -222,7 +236,8 @@ def summarise(rows: list[dict[str, Any]], ideal_tps: float) -> dict[str, Any]:
                                                           for r in arms["batched"]).as_dict()}
     for name, arm in arms.items():
         out[name] = {key: summarize(r[key] for r in arm).as_dict()
-                     for key in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "ttft_p99_over_p50")}
+                     for key in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "ttft_p99_over_p50",
+                                 "steady_ttft_p50_ms", "steady_ttft_p99_ms", "steady_ttft_p99_over_p50")}
         out[name]["lost_or_mixed_tokens"] = sum(r["lost_or_mixed_tokens"] for r in arm)
     return out
 

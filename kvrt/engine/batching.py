@@ -69,6 +69,8 @@ class EngineStats:
     prefilled_tokens: int  # prompt tokens decoded
     reused_tokens: int  # prompt tokens taken from the prefix cache instead
     decoded_tokens: int  # sampled tokens decoded
+    busy_s: float  # wall time of the steps that decoded a batch
+    decode_s: float  # of which in llama_decode until its outputs were ready
     queued: int
     active: int
     used_cells: int
@@ -111,6 +113,7 @@ class Engine:
         self._wake = threading.Event()
         self._closing = False
         self._steps = self._prefilled = self._reused = self._decoded = 0
+        self._busy_s = self._decode_s = 0.0
         self._thread = threading.Thread(target=self._run, name=f"kvrt-engine-{model.path.stem}", daemon=True)
         self._thread.start()
 
@@ -155,8 +158,8 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._lock:
             queued = len(self._queue)
-        return EngineStats(self._steps, self._prefilled, self._reused, self._decoded, queued, len(self._live),
-                           self.cache.used_cells, self.n_cells, tuple(self.cache.describe()))
+        return EngineStats(self._steps, self._prefilled, self._reused, self._decoded, self._busy_s, self._decode_s,
+                           queued, len(self._live), self.cache.used_cells, self.n_cells, tuple(self.cache.describe()))
 
     def close(self) -> None:
         """Stop the worker; waiting and running requests end with :class:`EngineClosed`."""
@@ -214,6 +217,7 @@ class Engine:
 
     def step(self) -> bool:
         """One turn of the loop (on the worker thread); False when there was nothing to decode."""
+        t0 = time.perf_counter()
         if self.before_step is not None:
             self.before_step()
         self._run_commands()
@@ -226,6 +230,7 @@ class Engine:
             self._steps += 1
             self._advance(rows)
             self._sample(rows)
+        self._busy_s += time.perf_counter() - t0
         return True
 
     def _run_commands(self) -> None:
@@ -309,7 +314,10 @@ class Engine:
         """
         for attempt in range(2):
             try:
+                t0 = time.perf_counter()
                 self.ctx.decode(self.batch)
+                self.ctx.synchronize()  # the outputs are read next anyway; the wait is the decode's
+                self._decode_s += time.perf_counter() - t0
                 return True
             except DecodeError as exc:
                 if attempt == 0 and exc.code == 1 and self.cache.evict_all():

@@ -40,7 +40,7 @@ from kvrt.accounting.estimate import context_estimate
 from kvrt.accounting.ledger import Reservation, VramLedger
 from kvrt.checks import prompt_tokens
 from kvrt.engine.admission import EngineConfig
-from kvrt.engine.batching import Engine
+from kvrt.engine.batching import Engine, EngineStats
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.requests import (
     ChoiceEnd,
@@ -78,7 +78,7 @@ class BatchConfig:
 
     n_ctx: int = 8192
     n_seq_max: int = 64
-    n_batch: int = 512
+    n_batch: int = 2048  # a burst of turns (every agent answered at once) prefills in one step
     prefill_chunk: int = 256
     n_threads: int | None = None
     flash_attn: str = "auto"
@@ -222,6 +222,12 @@ class BatchedScheduler(AgentService[_Agent]):
     def transcript(self, agent_id: str) -> list[int]:
         with self._lock:
             return list(self._agent(agent_id).transcript)
+
+    def engine_stats(self) -> dict[str, EngineStats]:
+        """Each loaded model's engine counters (steps, tokens, time in steps and in llama_decode), by file name."""
+        with self._lock:
+            pools = list(self._pools.values())
+        return {pool.entry.path.name: pool.engine.stats() for pool in pools}
 
     # -- turns --------------------------------------------------------------------------
     def submit(self, agent_id: str, prompt: str | Sequence[int], n_tokens: int, *,
