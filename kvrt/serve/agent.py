@@ -25,11 +25,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvrt.accounting.ledger import Reservation
 from kvrt.engine.context import Context
 from kvrt.serve.registry import LoadedModel
 from kvrt.serve.results import ContextFull, InvalidArgument
-from kvrt.state.sized_context import CTX_PAD, bucket, padded
+from kvrt.state.sized_context import CTX_PAD, ChargedContext, bucket, padded
 from kvrt.state.snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -112,8 +111,7 @@ class Agent:
     n_ctx: int  # cells of its context (the one it has, or the next one it will get)
     context_bytes: int
     queue: deque[Turn] = field(default_factory=deque)
-    context: Context | None = None
-    reservation: Reservation | None = None
+    live: ChargedContext | None = None  # its live context and that context's ledger charge
     snapshot: Snapshot | None = None
     transcript: list[int] = field(default_factory=list)
     kv_tokens: int = 0
@@ -124,6 +122,11 @@ class Agent:
     persisted: bool = False  # the state dir holds its current state
     staged: PrefetchHandle | None = None  # its snapshot being restored ahead of its turn (kvrt.serve.prefetch)
     draining: PendingSnapshot | None = None  # being swapped out on a copy thread (during another agent's turn)
+
+    @property
+    def context(self) -> Context | None:
+        """The live context (``None``: swapped out or cold)."""
+        return self.live.ctx if self.live is not None else None
 
     @property
     def state(self) -> str:

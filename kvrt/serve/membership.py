@@ -37,7 +37,7 @@ def check_feasible(sched: Scheduler, agent_id: str, request_bytes: int) -> None:
     """Refuse an agent that could never run: even with every context swapped out (and every staging
     context given back) ``request_bytes`` more do not fit."""
     snap = sched.ledger.snapshot()
-    evictable = sum(a.reservation.nbytes for a in sched._agents.values() if a.reservation is not None)
+    evictable = sum(a.live.charge.nbytes for a in sched._agents.values() if a.live is not None and a.live.charge)
     evictable += sched.prefetcher.held_bytes if sched.prefetcher is not None else 0
     if snap.allocated_bytes - evictable + snap.external_bytes + request_bytes > snap.max_bytes:
         raise LedgerDenied(owner=f"agent:{agent_id}", max_bytes=snap.max_bytes, allocated_bytes=snap.allocated_bytes,

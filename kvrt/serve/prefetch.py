@@ -36,6 +36,7 @@ from kvrt.errors import KvrtError
 from kvrt.serve.agent import Agent
 from kvrt.serve.registry import LoadedModel
 from kvrt.serve.residency import Residency, Switch
+from kvrt.state.sized_context import ChargedContext
 from kvrt.state.staging import KVStager, PendingSnapshot, PrefetchHandle, StagingError
 
 log = logging.getLogger("kvrt.serve.prefetch")
@@ -118,17 +119,17 @@ class Prefetcher:
                 pass
         live = [a for a in self.residency.agents.values()
                 if a.context is not None and a is not running and a.entry is agent.entry and a.n_ctx == agent.n_ctx
-                and a.kv_tokens > 0 and a.reservation is not None]
+                and a.kv_tokens > 0 and a.live is not None and a.live.charge is not None]
         victim = min(live, key=lambda a: a.last_used, default=None)
         if victim is None:
             raise StagingError(f"no room for a staging context of {stager.name} and no live agent of that shape "
                                "to swap out ahead")
-        assert victim.context is not None and victim.reservation is not None
+        assert victim.live is not None and victim.live.charge is not None
         victim.check()
-        ctx = victim.context
-        stager.adopt(ctx, victim.reservation)
+        ctx = victim.live.ctx
+        stager.adopt(ctx, victim.live.charge)
         pending = stager.swap_out_async(ctx, tokens=victim.transcript[:victim.kv_tokens])
-        victim.context = victim.reservation = None
+        victim.live = None
         victim.draining = pending
         self._drains.append(_Drain(victim, stager, ctx, pending, agent.agent_id))
 
@@ -152,7 +153,7 @@ class Prefetcher:
             return False
         ctx, reservation = stager.detach(staged)
         self.residency.ledger.transfer(reservation, f"agent:{agent.agent_id}")
-        agent.context, agent.reservation, agent.context_bytes = ctx, reservation, reservation.nbytes
+        agent.live, agent.context_bytes = ChargedContext(ctx, reservation, 0.0), reservation.nbytes
         record = handle.record
         assert record is not None and agent.snapshot is not None
         switch.restored = True
@@ -176,7 +177,7 @@ class Prefetcher:
             except StagingError as exc:  # the capture failed: the agent is still in its context, take it back
                 ctx, reservation = drain.stager.detach(drain.ctx)
                 self.residency.ledger.transfer(reservation, f"agent:{victim.agent_id}")
-                victim.context, victim.reservation = ctx, reservation
+                victim.live = ChargedContext(ctx, reservation, 0.0)
                 log.warning("agent %r: early swap-out failed, it stays live: %s", victim.agent_id, exc)
                 continue
             self.counts.early_evictions += 1

@@ -104,14 +104,13 @@ class Residency:
                     raise
                 self.swap_out(victim, switch)
                 if self._compatible(victim, agent):  # hand the live context over instead of re-creating it
-                    agent.context, agent.reservation = victim.context, victim.reservation
-                    victim.context = victim.reservation = None
-                    assert agent.reservation is not None  # a live context always holds its charge
-                    self.ledger.transfer(agent.reservation, owner)
+                    agent.live, victim.live = victim.live, None
+                    assert agent.live is not None and agent.live.charge is not None  # a live context is charged
+                    self.ledger.transfer(agent.live.charge, owner)
                 else:
                     self.free(victim)
                 continue
-            agent.context, agent.reservation = live.ctx, live.charge
+            agent.live = live
             switch.context_ms = live.create_s * 1e3
             self._correct(agent, meter.delta())
         if agent.snapshot is not None:
@@ -131,10 +130,10 @@ class Residency:
 
     def _correct(self, agent: Agent, measured: int | None) -> None:
         """Replace the derived context estimate with what creating it took, where measurable."""
-        if measured is None or agent.reservation is None:
+        if measured is None or agent.live is None or agent.live.charge is None:
             return
         try:
-            self.ledger.resize(agent.reservation, measured)
+            self.ledger.resize(agent.live.charge, measured)
             agent.context_bytes = measured
         except LedgerDenied:
             pass  # more than estimated and the rest is taken: keep the estimate; STATUS drift shows it
@@ -170,9 +169,7 @@ class Residency:
             switch.evicted.append(victim.agent_id)
 
     def free(self, agent: Agent) -> None:
-        if agent.context is not None:
-            agent.context.close()
-            agent.context = None
-        if agent.reservation is not None:
-            self.ledger.release(agent.reservation)
-            agent.reservation = None
+        """Close the agent's live context and give its charge back (its history stays in its snapshot, if any)."""
+        if agent.live is not None:
+            live, agent.live = agent.live, None
+            live.close(self.ledger)

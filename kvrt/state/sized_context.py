@@ -42,7 +42,7 @@ class ChargedContext:
 
     ctx: Context
     charge: Reservation | None
-    create_s: float  # seconds llama.cpp took to create it (allocating and clearing its KV)
+    create_s: float  # seconds llama.cpp took to create it (allocating and clearing its KV); 0.0: created elsewhere
 
     @classmethod
     def open(cls, model: Model, params: ContextParams, ledger: VramLedger | None, nbytes: int,
