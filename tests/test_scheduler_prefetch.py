@@ -14,7 +14,7 @@ from _reference import check_greedy
 from test_scheduler import N_CTX, budget, hold_worker, never_left
 
 from kvrt.accounting.ledger import VramLedger
-from kvrt.serve.results import UnknownAgent
+from kvrt.serve.results import SchedulerClosed, UnknownAgent
 from kvrt.serve.scheduler import Scheduler
 from kvrt.state.snapshot import Snapshot
 
@@ -183,3 +183,20 @@ def test_kvrt_serve_turns_prefetch_off_with_a_flag():
     serve.add_arguments(parser)
     assert parser.parse_args(["--socket", "s"]).prefetch is True
     assert parser.parse_args(["--socket", "s", "--no-prefetch"]).prefetch is False
+
+
+def test_closing_while_an_agent_is_staged_frees_everything(tiny_model_path):
+    closer: list[threading.Thread] = []
+
+    def close_now(sched: Scheduler) -> None:
+        closer.append(threading.Thread(target=sched.close))
+        closer[0].start()
+        while not sched._closing:
+            threading.Event().wait(0.001)
+
+    _, ledger, a_turn, b_turn = staged_during_bs_turn(tiny_model_path, close_now)
+    closer[0].join()
+    with pytest.raises(SchedulerClosed):
+        a_turn.result()
+    assert len(b_turn.result().tokens) == N  # the running turn finished
+    assert ledger.allocated_bytes == 0
