@@ -23,9 +23,16 @@ def test_lost_or_mixed_counts_a_dropped_or_foreign_token(tiny_model_path):
 
 
 def test_a_small_run_loses_nothing_and_stays_under_the_ideal(tiny_model_path, tmp_path):
-    args = argparse.Namespace(out=str(tmp_path), model=str(tiny_model_path), agents=3, turns=2, gen_tokens=3,
-                              rounds=3, slots=4, ideal_steps=2, threads=1, n_gpu_layers=0, bound_tolerance=0.05)
+    parser = argparse.ArgumentParser()
+    batching.add_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_model_path), "--agents", "3", "--turns", "2", "--gen-tokens", "3",
+                              "--slots", "4", "--ideal-steps", "2", "--threads", "1", "--n-gpu-layers", "0"])
+    args.out = str(tmp_path)
     assert batching.run(args) == 0
     result = json.loads((tmp_path / "batching" / "batching.json").read_text())
     assert result["batched"]["lost_or_mixed_tokens"] == 0 and result["back_to_back"]["lost_or_mixed_tokens"] == 0
     assert all(r["generated_tokens"] == 3 * 2 * 3 for r in result["rounds"])
+    for row in (r for r in result["rounds"] if r["arm"] == "batched"):
+        # a turn takes a step for its prompt (which samples its first token) and one per later token, and an
+        # agent's two turns follow each other: at least 2 x 3 steps
+        assert row["steps"] >= 2 * 3 and 0 < row["decode_share_of_steps"] <= 1 and row["step_ms"] > 0
