@@ -2,13 +2,14 @@
 # The CPU column of the README's results: every benchmark behind it, on this machine, into
 # bench/results/cpu-<date>/ (then: python tools/readme_tables.py --write, with CPU= set to that folder).
 # Usage: bash tools/cpu_results.sh [part ...]   parts: fanout fanout-sweep swap timeslice multimodel elastic
+#        batching prefetch
 #        (none given: all of them; about 40 minutes on a quiet 2-core machine). One thread per context.
 # A part that violates a physical bound exits 3 and is reported; the others still run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/cpu-$(date +%F)}
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(fanout fanout-sweep swap timeslice multimodel elastic)
+[ ${#parts[@]} -gt 0 ] || parts=(fanout fanout-sweep swap timeslice multimodel elastic batching prefetch)
 mkdir -p "$OUT"
 status=0
 
@@ -43,7 +44,12 @@ for part in "${parts[@]}"; do
       run elastic-c kvrt bench elastic --part c --repeats 5 --out "$OUT/elastic"
       run elastic-b kvrt bench elastic --part b --driver host --max-ctx 65536 --duration-s 300 \
         --loads 1,1.5,2,4 --prompt-tokens 3000 --repeats 3 --out "$OUT/elastic" ;;
-    *) echo "unknown part $part (fanout fanout-sweep swap timeslice multimodel elastic)"; exit 2 ;;
+    batching)  # 50 agents' turns in one batch per step vs one at a time
+      run batching kvrt bench batching --out "$OUT" --agents 50 --turns 2 --gen-tokens 8 --rounds 3 --threads 1 ;;
+    prefetch)  # the next agent's KV restored on a copy thread while the current one decodes
+      run prefetch kvrt bench prefetch --agents 50 --tokens 200-400 --decode-tokens 4 --rounds 3 \
+        --staging-contexts 2 --threads 1 --flash-attn off,on --out "$OUT/prefetch" ;;
+    *) echo "unknown part $part (fanout fanout-sweep swap timeslice multimodel elastic batching prefetch)"; exit 2 ;;
   esac
 done
 exit $status

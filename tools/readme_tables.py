@@ -178,9 +178,11 @@ def batching(folder: str) -> str:
 
 def prefetch(folder: str) -> str:
     parts = []
-    for mode in load(folder, "prefetch/prefetch.json")["modes"]:
+    modes = load(folder, "prefetch/prefetch.json")["modes"]
+    for mode in modes:
         g, same = mode["goals"], all(mode["tokens_identical_to_resident"].values())
-        parts.append(f"flash attention {mode['flash_attn']}: exposed swap-in **"
+        agents = f" ({mode['agents']} agents)" if mode["agents"] != modes[0]["agents"] else ""
+        parts.append(f"flash attention {mode['flash_attn']}{agents}: exposed swap-in **"
                      f"{g['prefetch_exposed_over_ideal']['median']:.3f} of the copy time** (synchronous "
                      f"{g['sync_swap_in_over_ideal']['median']:.2f}), throughput "
                      f"{g['prefetch_throughput_fraction_of_resident']['median']:.2f} of all agents resident, "
