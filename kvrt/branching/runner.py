@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from kvrt.branching.branch import Branch, BranchResult, branch_budget
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
-from kvrt.engine.generation import SequenceStream, prefill
+from kvrt.engine.decode_step import Feed, greedy_picks, step
+from kvrt.engine.generation import SequenceStream
 from kvrt.engine.sampling import Sampler
 from kvrt.state.contextpool import ContextPool
 from kvrt.state.snapshot import Snapshot
@@ -39,37 +40,19 @@ class _Live:
 
 
 def _decode_round(ctx: Context, batch: Batch, lives: list[_Live]) -> None:
-    """Decode every live branch's pending tokens and sample its next token.
-
-    The branches are packed into as few ``llama_decode`` calls as ``n_batch`` allows; a
-    branch with more pending tokens than that is prefilled in chunks on its own. Logits
-    of a row are read right after the decode that computed them, before the next one
-    overwrites them.
-    """
-    groups: list[list[_Live]] = []
-    used = ctx.n_batch
-    for live in lives:
-        if used + len(live.pending) > ctx.n_batch:
-            groups.append([])
-            used = 0
-        groups[-1].append(live)
-        used += len(live.pending)
-    for group in groups:
-        if len(group) == 1 and len(group[0].pending) > ctx.n_batch:
-            live = group[0]
-            rows = [prefill(ctx, live.pending, seq_id=live.seq, start_pos=live.pos, batch=batch)]
-        else:
-            batch.clear()
-            rows = [batch.add_sequence(live.pending, live.pos, live.seq) for live in group]
-            ctx.decode(batch)
-        picked = [row for live, row in zip(group, rows) if live.sampler.plain_greedy]
-        greedy = dict(zip(picked, ctx.argmax(picked)))  # every greedy branch's pick in one pass
-        for live, row in zip(group, rows):
+    """Decode every live branch's pending tokens (one step for all while they fit ``n_batch``, prompt chunks
+    over several steps when not) and sample each branch's next token right after the step that finished it."""
+    pairs = [(live, Feed(live.seq, live.pos, live.pending)) for live in lives]
+    while pairs and (landed := step(ctx, batch, [feed for _, feed in pairs])):
+        done = [(live, part.row) for (live, _), part in zip(pairs, landed) if part.row is not None]
+        greedy = greedy_picks(ctx, [(live.sampler, row) for live, row in done])
+        for live, row in done:
             live.pos += len(live.pending)
             token = greedy[row] if live.sampler.plain_greedy else live.sampler.sample(ctx, row)
             if live.t_first is None:
                 live.t_first = time.perf_counter()
             live.pending = [] if live.stream.accept(token) else [token]
+        pairs = [(live, feed) for live, feed in pairs if not feed.finished]
 
 
 def _decode(ctx: Context, branches: Sequence[Branch], lives: list[_Live], work: Batch) -> list[BranchResult]:

@@ -36,6 +36,7 @@ from typing import Any
 from kvrt.engine.admission import EngineConfig, Pending, check_fits, check_tokens, place
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
+from kvrt.engine.decode_step import Feed, fill, greedy_picks
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.live import Choice, Live
 from kvrt.engine.model import Model
@@ -80,7 +81,8 @@ class EngineStats:
 
 @dataclass
 class _Row:
-    """One request's part of a step's batch: a decode token of ``choice``, or prompt positions [p0, p1)."""
+    """One request's part of a step's batch: a decode token of ``choice``, or prompt positions [p0, p1);
+    ``row`` is its logits row (-1: a prompt chunk that is not the last, or a pin's)."""
 
     live: Live
     row: int
@@ -285,26 +287,22 @@ class Engine:
             self._live.append(live)
 
     def _fill(self) -> list[_Row]:
-        """This step's batch: every decoding choice's token, then prompt chunks within the budget."""
-        batch, rows = self.batch, []
-        batch.clear()
+        """This step's batch: every decoding choice's token, then prompt chunks within the budget, round robin."""
+        owners: list[tuple[Live, Choice | None]] = []
+        feeds: list[Feed] = []
         for live in self._live:
             for choice in live.choices:
                 if choice.pending is not None:
-                    rows.append(_Row(live, batch.add(choice.pending, choice.pos, choice.slot, logits=True), choice))
-        budget = self.ctx.n_batch - len(rows)
+                    owners.append((live, choice))
+                    feeds.append(Feed(choice.slot, choice.pos, (choice.pending,)))
         prefilling = [live for live in self._live if live.prefilling]
         turn = self._steps % len(prefilling) if prefilling else 0
         for live in prefilling[turn:] + prefilling[:turn]:
-            take = min(budget, self.config.prefill_chunk, len(live.prompt) - live.prefilled)
-            if take <= 0:
-                break
-            p0, p1 = live.prefilled, live.prefilled + take
-            last = p1 == len(live.prompt) and not live.pin
-            rows.append(_Row(live, batch.add_sequence(live.prompt[p0:p1], p0, live.slot, logits_last=last),
-                             p0=p0, p1=p1))
-            budget -= take
-        return rows
+            owners.append((live, None))
+            feeds.append(Feed(live.slot, 0, live.prompt, logits=not live.pin, done=live.prefilled))
+        landed = fill(self.batch, feeds, budget=self.ctx.n_batch, chunk=self.config.prefill_chunk)
+        return [_Row(live, -1 if part.row is None else part.row, choice, part.p0, part.p1)
+                for (live, choice), part in zip(owners, landed)]
 
     def _decode(self, rows: list[_Row]) -> bool:
         """``ctx.decode`` of the batch; on failure the requests in it fail (nothing else is touched).
@@ -351,8 +349,7 @@ class Engine:
 
         The rows of plain greedy choices are picked first, by one argmax over the step's logits.
         """
-        picked = [r.row for r in rows if self._greedy_row(r)]
-        greedy = dict(zip(picked, self.ctx.argmax(picked)))
+        greedy = greedy_picks(self.ctx, [(c.sampler, r.row) for r in rows if not r.live.ended for c in self._pickers(r)])
         for r in rows:
             live = r.live
             if live.ended:
@@ -371,13 +368,11 @@ class Engine:
                 self._end(live)
 
     @staticmethod
-    def _greedy_row(r: _Row) -> bool:
-        """Whether row ``r`` will be sampled by a plain greedy choice (a decode token, or a prompt's last chunk)."""
-        if r.live.ended:
-            return False
+    def _pickers(r: _Row) -> list[Choice]:
+        """The choices that sample row ``r``: its decode token's, or every choice of a prompt that just finished."""
         if r.choice is not None:
-            return r.choice.sampler.plain_greedy
-        return not r.live.prefilling and not r.live.pin and any(c.sampler.plain_greedy for c in r.live.choices)
+            return [r.choice]
+        return [] if r.live.prefilling or r.live.pin else r.live.choices
 
     def _pick(self, live: Live, choice: Choice, row: int, greedy: dict[int, int]) -> None:
         token = greedy[row] if choice.sampler.plain_greedy else choice.sampler.sample(self.ctx, row)

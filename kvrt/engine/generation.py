@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from kvrt.checks import INT32_MAX, check_int, check_text, prompt_tokens, shown
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
+from kvrt.engine.decode_step import Feed, step
 from kvrt.engine.model import Model
 from kvrt.engine.sampling import Sampler, SamplingParams
 from kvrt.errors import InvalidArgument, KvrtError
@@ -160,23 +161,18 @@ def prefill(
     """
     if not tokens:
         raise KvrtError("prefill needs at least one token")
-    pos = ctx.seq_len(seq_id) if start_pos is None else start_pos
-    total = len(tokens)
-    chunk = ctx.n_batch
+    feed = Feed(seq_id, ctx.seq_len(seq_id) if start_pos is None else start_pos, tokens, logits=logits_last)
     own = batch is None
-    work = Batch(chunk) if batch is None else batch
+    work = Batch(ctx.n_batch) if batch is None else batch
     row = -1
     try:
-        for begin in range(0, total, chunk):
-            part = tokens[begin:begin + chunk]
-            work.clear()
-            last = begin + len(part) == total
-            row = work.add_sequence(part, pos + begin, seq_id, logits_last=logits_last and last)
-            ctx.decode(work)
+        while not feed.finished:
+            (part,) = step(ctx, work, [feed])
             if after_chunk is not None:
-                after_chunk(pos + begin, pos + begin + len(part))
+                after_chunk(part.p0, part.p1)
             if progress is not None:
-                progress(begin + len(part), total)
+                progress(feed.done, len(tokens))
+            row = work.n_tokens - 1  # the chunk's last token (its logits only with logits_last)
     finally:
         if own:
             work.close()
@@ -232,9 +228,9 @@ def generate(
                 on_text(piece)
             if finished:
                 break
-            batch.clear()
-            row = batch.add(token, ctx.seq_len(seq_id), seq_id, logits=True)
-            ctx.decode(batch)
+            (part,) = step(ctx, batch, [Feed(seq_id, ctx.seq_len(seq_id), [token])])
+            assert part.row is not None  # a one-token feed that wants logits lands with its row
+            row = part.row
     t_end = time.perf_counter()
     timings = {
         "prefill_ms": (t_prefill - t0) * 1e3,
