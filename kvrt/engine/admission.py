@@ -20,8 +20,9 @@ from kvrt.engine.generation import SequenceStream
 from kvrt.engine.live import Choice, Live
 from kvrt.engine.model import Model
 from kvrt.engine.prefix_cache import PrefixCache
-from kvrt.engine.requests import EngineError, Request, RequestStream, RequestTooLarge
+from kvrt.engine.requests import ChoiceEnd, EngineError, Request, RequestEnd, RequestStream, RequestTooLarge
 from kvrt.engine.sampling import Sampler
+from kvrt.errors import KvrtError
 
 LLAMA_MAX_SEQ = 256
 WAIT_FOR_SHARE = 32  # prompt tokens another request is prefilling that are worth waiting a step or two for
@@ -69,6 +70,15 @@ class Pending:
     stream: RequestStream
     samplers: list[Sampler]
     pin: bool = False
+
+    def end(self, reason: str, error: KvrtError | None = None) -> None:
+        """It never ran: its samplers are freed, every choice ends empty with ``reason``, then the request."""
+        for sampler in self.samplers:
+            sampler.close()
+        request = self.stream.request
+        for i in range(0 if self.pin else request.n):
+            self.stream.push(ChoiceEnd(i, reason, "", ()))
+        self.stream.push(RequestEnd(len(request.prompt), 0, 0, error))
 
 
 def check_tokens(request: Request, n_vocab: int) -> None:

@@ -42,12 +42,11 @@ from kvrt.engine.live import Choice, Live
 from kvrt.engine.model import Model
 from kvrt.engine.prefix_cache import PrefixCache, common_prefix
 from kvrt.engine.requests import (
-    ChoiceEnd,
     EngineClosed,
     EngineError,
     EngineOverloaded,
+    EngineStats,
     Request,
-    RequestEnd,
     RequestStream,
     RequestTooLarge,
     TokenEvent,
@@ -59,24 +58,6 @@ from kvrt.errors import DecodeError, KvrtError
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # an idle worker re-checks deadlines this often (never part of any assertion)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """Counters since the engine started and its state now (read without stopping the worker:
-    exact whenever the engine is idle)."""
-
-    steps: int
-    prefilled_tokens: int  # prompt tokens decoded
-    reused_tokens: int  # prompt tokens taken from the prefix cache instead
-    decoded_tokens: int  # sampled tokens decoded
-    busy_s: float  # wall time of the steps that decoded a batch
-    decode_s: float  # of which in llama_decode until its outputs were ready
-    queued: int
-    active: int
-    used_cells: int
-    n_cells: int
-    slots: tuple[str, ...]
 
 
 @dataclass
@@ -258,7 +239,7 @@ class Engine:
             for pending in gone:
                 self._queue.remove(pending)
         for pending in gone:
-            self._end_pending(pending, reason(pending.stream) or "cancelled")
+            pending.end(reason(pending.stream) or "cancelled")
         for live in [x for x in self._live if reason(x.stream)]:
             self._finish_all(live, reason(live.stream) or "cancelled")
 
@@ -277,7 +258,7 @@ class Engine:
             except RequestTooLarge as exc:
                 with self._lock:
                     self._queue.popleft()
-                self._end_pending(pending, "error", exc)
+                pending.end("error", exc)
                 continue
             if live is None:
                 return
@@ -349,7 +330,8 @@ class Engine:
 
         The rows of plain greedy choices are picked first, by one argmax over the step's logits.
         """
-        greedy = greedy_picks(self.ctx, [(c.sampler, r.row) for r in rows if not r.live.ended for c in self._pickers(r)])
+        greedy = greedy_picks(self.ctx, [(c.sampler, r.row) for r in rows if not r.live.ended
+                                          for c in r.live.pickers(r.choice)])
         for r in rows:
             live = r.live
             if live.ended:
@@ -367,18 +349,11 @@ class Engine:
             if live.done:
                 self._end(live)
 
-    @staticmethod
-    def _pickers(r: _Row) -> list[Choice]:
-        """The choices that sample row ``r``: its decode token's, or every choice of a prompt that just finished."""
-        if r.choice is not None:
-            return [r.choice]
-        return [] if r.live.prefilling or r.live.pin else r.live.choices
-
     def _pick(self, live: Live, choice: Choice, row: int, greedy: dict[int, int]) -> None:
         token = greedy[row] if choice.sampler.plain_greedy else choice.sampler.sample(self.ctx, row)
         if token in live.request.stop_token_ids:
             choice.ended_by = token
-            self._finish(live, choice, "stop")
+            live.finish(choice, "stop", self.cache)
             return
         k = live.request.logprobs
         logprob = token_logprobs(self.ctx.logits(row), token, k) if k is not None else None
@@ -387,25 +362,13 @@ class Engine:
         if choice.stream.finish_reason != "eog":
             live.stream.push(TokenEvent(choice.index, token, choice.release(), logprob))
         if done:
-            self._finish(live, choice, choice.stream.finish_reason or "length")
+            live.finish(choice, choice.stream.finish_reason or "length", self.cache)
         else:
             choice.pending = token
 
     # -- endings ----------------------------------------------------------------------
-    def _finish(self, live: Live, choice: Choice, reason: str) -> None:
-        """One choice is over: its slot's cells stay cached, its sampler is freed."""
-        choice.finish_reason, choice.pending = reason, None
-        choice.sampler.close()
-        self.cache.release(choice.slot)
-        live.stream.push(ChoiceEnd(choice.index, reason, choice.stream.text, tuple(choice.stream.tokens),
-                                   choice.rest(), choice.ended_by))
-
     def _finish_all(self, live: Live, reason: str, error: KvrtError | None = None) -> None:
-        if live.pin:
-            self.cache.release(live.slot)
-        for choice in live.choices:
-            if choice.finish_reason is None:
-                self._finish(live, choice, reason)
+        live.finish_all(reason, self.cache)
         self._end(live, error)
 
     def _fail(self, live: Live, error: KvrtError) -> None:
@@ -422,16 +385,7 @@ class Engine:
             return
         live.ended = True
         self._live.remove(live)
-        completion = sum(len(c.stream.tokens) for c in live.choices)
-        live.stream.push(RequestEnd(len(live.prompt), live.reused, completion, error))
-
-    def _end_pending(self, pending: Pending, reason: str, error: KvrtError | None = None) -> None:
-        for sampler in pending.samplers:
-            sampler.close()
-        request = pending.stream.request
-        for i in range(0 if pending.pin else request.n):
-            pending.stream.push(ChoiceEnd(i, reason, "", ()))
-        pending.stream.push(RequestEnd(len(request.prompt), 0, 0, error))
+        live.stream.push(live.end_event(error))
 
     def _fail_all(self, error: KvrtError, *, queued: bool = True) -> None:
         with self._lock:
@@ -441,7 +395,7 @@ class Engine:
                 self._queue.clear()
                 self._commands.clear()
         for pending in waiting:
-            self._end_pending(pending, "error", error)
+            pending.end("error", error)
         for _, future in commands:
             future.set_exception(error)
         for live in list(self._live):

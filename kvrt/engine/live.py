@@ -13,8 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvrt.engine.generation import SequenceStream
-from kvrt.engine.requests import Request, RequestStream
+from kvrt.engine.prefix_cache import PrefixCache
+from kvrt.engine.requests import ChoiceEnd, Request, RequestEnd, RequestStream
 from kvrt.engine.sampling import Sampler
+from kvrt.errors import KvrtError
 
 
 @dataclass
@@ -80,3 +82,30 @@ class Live:
     @property
     def slots(self) -> list[int]:
         return [self.slot] if self.pin else [c.slot for c in self.choices]
+
+    def finish(self, choice: Choice, reason: str, cache: PrefixCache) -> None:
+        """One choice is over: its slot's cells stay cached, its sampler is freed, its end is streamed."""
+        choice.finish_reason, choice.pending = reason, None
+        choice.sampler.close()
+        cache.release(choice.slot)
+        self.stream.push(ChoiceEnd(choice.index, reason, choice.stream.text, tuple(choice.stream.tokens),
+                                   choice.rest(), choice.ended_by))
+
+    def finish_all(self, reason: str, cache: PrefixCache) -> None:
+        """Every choice still running is over (a pin's slot is released)."""
+        if self.pin:
+            cache.release(self.slot)
+        for choice in self.choices:
+            if choice.finish_reason is None:
+                self.finish(choice, reason, cache)
+
+    def end_event(self, error: KvrtError | None) -> RequestEnd:
+        """The request's last event: its token counts, and the error that ended it."""
+        completion = sum(len(c.stream.tokens) for c in self.choices)
+        return RequestEnd(len(self.prompt), self.reused, completion, error)
+
+    def pickers(self, choice: Choice | None) -> list[Choice]:
+        """The choices that sample a row: a decode token's own choice, or every choice once the prompt is in."""
+        if choice is not None:
+            return [choice]
+        return [] if self.prefilling or self.pin else self.choices

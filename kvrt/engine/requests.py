@@ -252,3 +252,21 @@ class ResultCollector:
         else:
             return RequestResult(self.choices, event)
         return None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters since the engine started and its state now (read without stopping the worker:
+    exact whenever the engine is idle)."""
+
+    steps: int
+    prefilled_tokens: int  # prompt tokens decoded
+    reused_tokens: int  # prompt tokens taken from the prefix cache instead
+    decoded_tokens: int  # sampled tokens decoded
+    busy_s: float  # wall time of the steps that decoded a batch
+    decode_s: float  # of which in llama_decode until its outputs were ready
+    queued: int
+    active: int
+    used_cells: int
+    n_cells: int
+    slots: tuple[str, ...]

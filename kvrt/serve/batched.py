@@ -40,10 +40,11 @@ from kvrt.accounting.estimate import context_estimate
 from kvrt.accounting.ledger import Reservation, VramLedger
 from kvrt.checks import prompt_tokens
 from kvrt.engine.admission import EngineConfig
-from kvrt.engine.batching import Engine, EngineStats
+from kvrt.engine.batching import Engine
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.requests import (
     ChoiceEnd,
+    EngineStats,
     Request,
     RequestEnd,
     RequestStream,
