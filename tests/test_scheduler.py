@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrt.accounting.estimate import EstimateError, ModelShape, context_estimate, parse_vram_table
+from kvrt.accounting.estimate import DeviceMeter, EstimateError, ModelShape, context_estimate, parse_vram_table
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams, generate
@@ -22,9 +22,27 @@ PROMPTS = ["The fox", " jumps over", " the lazy dog"]
 
 
 def budget(path: Path, models: int, contexts: int) -> int:
-    """Room for ``models`` copies of the weights and exactly ``contexts`` live contexts."""
+    """Room for ``models`` copies of the weights and exactly ``contexts`` live contexts of ``N_CTX`` cells.
+
+    Exact where the ledger charges the header's estimates: on a CPU machine (the weights are charged
+    llama.cpp's count of them, the file's tensor bytes), or on a GPU under :func:`charge_estimates`
+    (the weights left on the host, the token embedding, are then uncharged: less than one context of slack).
+    """
     shape = ModelShape.read(path)
     return models * shape.weight_bytes(on_gpu=False) + contexts * context_estimate(shape, N_CTX).total_bytes
+
+
+def charge_estimates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turn the device measurement off, so the ledger charges what :func:`budget` counts on every machine.
+
+    Where llama.cpp has a GPU, the registry resizes a model's reservation and the residency each new
+    context's charge to the drop in the device's free memory (:class:`DeviceMeter`): whole 2 MiB pages,
+    the CUDA runtime's first allocations included. For the tiny model that is a different number of bytes
+    than the header's, so ``budget(path, 1, 2)`` admits one live context or three instead of two. Without
+    a measurement (``delta() is None``) the registry keeps the header's estimate of the weights on the
+    device and the residency each context's estimate.
+    """
+    monkeypatch.setattr(DeviceMeter, "delta", lambda self: None)
 
 
 def never_left(path: Path, prompts: list[str], n: int) -> list[list[int]]:

@@ -2,35 +2,69 @@
 
 References: each agent's turns in one context that is never swapped (``never_left``) and a
 from-scratch prefill of its transcript (``check_greedy``); the same agents with prefetch off.
+
+The ledger caps count contexts (``budget``): every test here charges the header's estimates
+(``charge_estimates``), so a cap admits the same number of live contexts on a GPU as on the CPU.
+Two tests emulate the GPU's device probe (``emulated_gpu``): one shows the cap then holds, one what
+the H200 run saw when the measured charges left room for one live context (every prefetch falls back).
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import threading
 from pathlib import Path
 
 import pytest
 from _reference import check_greedy
-from test_scheduler import N_CTX, budget, hold_worker, never_left
+from test_scheduler import N_CTX, budget, charge_estimates, hold_worker, never_left
 
+from kvrt.accounting import estimate
+from kvrt.accounting.estimate import DeviceMeter, ModelShape
 from kvrt.accounting.ledger import VramLedger
 from kvrt.serve.results import SchedulerClosed, UnknownAgent
 from kvrt.serve.scheduler import Scheduler
 from kvrt.state.snapshot import Snapshot
+from kvrt.system.gpu import Device
 
 AGENTS = {"a": [" The fox", " jumps over", " the dog"], "b": [" Once upon", " a time", " there was"],
           "c": [" In the", " beginning", " of it all"]}
 N = 8
 PROBE = " and then"
+MEASURED_DELTA = DeviceMeter.delta  # the real measurement, for the test that turns it back on
+PAGE = 2 << 20  # CUDA's allocation granularity (the H200's VMM granularity too)
+
+
+@pytest.fixture(autouse=True)
+def _estimated_charges(monkeypatch: pytest.MonkeyPatch) -> None:
+    charge_estimates(monkeypatch)
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp appears to have a CUDA device: the registry charges the weights it would offload, and each
+    measured step (a model load, a context creation) takes two whole 2 MiB pages of its free memory, as the
+    tiny model's buffers do rounded up to pages (weights 2.5 MiB; a context's KV and compute buffers)."""
+    reads = itertools.count()
+    total = 1 << 40
+
+    def devices() -> list[Device]:
+        return [Device(1, "CUDA0", "emulated GPU", "gpu", total - next(reads) * 2 * PAGE, total)]
+
+    monkeypatch.setattr(estimate, "llama_gpu_devices", devices)
+    assert DeviceMeter.gpu_present()
 
 
 def weights(path: Path) -> int:
-    return budget(path, 1, 0)
+    """The header's weight bytes on the device the ledger budgets (all of them on a CPU machine)."""
+    return ModelShape.read(path).weight_bytes(on_gpu=DeviceMeter.gpu_present())
 
 
 def run_rounds(path: Path, prefetch: bool) -> tuple[dict[str, list[list[int]]], dict[str, list[int]], Scheduler,
                                                     VramLedger]:
-    """Three agents of one model, two live contexts, every round queued at once: most turns swap an agent in."""
+    """Three agents of one model, a ledger for two live contexts, every round queued at once: most turns swap
+    an agent in."""
     ledger = VramLedger(budget(path, 1, 2))
     sched = Scheduler(ledger, n_threads=1, prefetch=prefetch)
     for name in AGENTS:
@@ -200,3 +234,45 @@ def test_closing_while_an_agent_is_staged_frees_everything(tiny_model_path):
         a_turn.result()
     assert len(b_turn.result().tokens) == N  # the running turn finished
     assert ledger.allocated_bytes == 0
+
+
+def test_on_an_emulated_gpu_the_ledger_admits_two_contexts_and_agents_are_prefetched(tiny_model_path, emulated_gpu):
+    """The H200 failure, emulated: with the measured charges (whole pages) the cap of weights + 2 contexts held
+    one live context, so nothing was staged; charged by the estimates, the prefetch runs as on the CPU."""
+    got, _, sched, ledger = run_rounds(tiny_model_path, prefetch=True)
+    try:
+        assert sched.registry.on_gpu
+        counts = sched.prefetcher.counts
+        assert counts.fallbacks == 0 and counts.activations >= 3 and counts.early_evictions >= 3, counts
+        assert staging_charges(ledger) == {} and ledger.allocated_bytes == live_charges(sched, tiny_model_path)
+    finally:
+        sched.close()
+    assert ledger.allocated_bytes == 0
+    for name, prompts in AGENTS.items():
+        assert got[name] == never_left(tiny_model_path, prompts, N)
+
+
+def test_measured_charges_leaving_one_live_context_make_every_prefetch_fall_back(tiny_model_path, emulated_gpu,
+                                                                                monkeypatch, caplog):
+    """What the H200 run did, as it should under that ledger: the weights measured at two pages leave room for
+    one context, the running agent's, so no staging context fits and no live agent can drain for one; every
+    turn restores synchronously and the agents continue exactly."""
+    monkeypatch.setattr(DeviceMeter, "delta", MEASURED_DELTA)
+    caplog.set_level(logging.DEBUG, logger="kvrt.serve.prefetch")
+    got, _, sched, ledger = run_rounds(tiny_model_path, prefetch=True)
+    try:
+        entry, = sched.registry.models()
+        assert entry.reservation.nbytes == 2 * PAGE  # the measurement replaced the header's estimate
+        counts = sched.prefetcher.counts
+        assert counts.staged == counts.activations == counts.early_evictions == 0 and counts.fallbacks >= 3, counts
+        reasons = [r.getMessage() for r in caplog.records if r.name == "kvrt.serve.prefetch"]
+        assert len(reasons) == counts.fallbacks
+        assert all("no room for a staging context" in r and "no live agent of that shape" in r for r in reasons)
+        owners = ledger.snapshot().by_owner
+        active = [i.agent_id for i in sched.agents() if i.state == "active"]
+        assert len(active) == 1 and set(owners) == {f"model:{tiny_model_path.name}", f"agent:{active[0]}"}
+    finally:
+        sched.close()
+    assert ledger.allocated_bytes == 0
+    for name, prompts in AGENTS.items():
+        assert got[name] == never_left(tiny_model_path, prompts, N)
