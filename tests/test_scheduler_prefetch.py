@@ -271,6 +271,8 @@ def test_measured_charges_leaving_one_live_context_make_every_prefetch_fall_back
         owners = ledger.snapshot().by_owner
         active = [i.agent_id for i in sched.agents() if i.state == "active"]
         assert len(active) == 1 and set(owners) == {f"model:{tiny_model_path.name}", f"agent:{active[0]}"}
+        live_info, = (i for i in sched.agents() if i.state == "active")  # a handed-over context reports its charge
+        assert live_info.context_bytes == owners[f"agent:{active[0]}"]
     finally:
         sched.close()
     assert ledger.allocated_bytes == 0

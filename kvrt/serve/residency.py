@@ -107,6 +107,7 @@ class Residency:
                     agent.live, victim.live = victim.live, None
                     assert agent.live is not None and agent.live.charge is not None  # a live context is charged
                     self.ledger.transfer(agent.live.charge, owner)
+                    agent.context_bytes = agent.live.charge.nbytes  # the handed-over charge, measured or not
                 else:
                     self.free(victim)
                 continue
