@@ -440,3 +440,31 @@ def test_a_refused_configuration_allocates_nothing(tiny_model):
         EngineConfig(n_seq_max=8, n_batch=4)
     with engine(tiny_model) as eng, pytest.raises(EngineError, match="outside the vocabulary"):
         eng.submit(Request([1, tiny_model.n_vocab], greedy(4)))
+
+
+@pytest.mark.parametrize("host_bytes", [0, 1 << 26])
+def test_an_evicted_conversation_comes_back_from_the_host_tier_instead_of_a_prefill(tiny_model, host_bytes):
+    """Four ~110-cell conversations in 256 cells: the first is evicted by the others. Its next turn is
+    restored from the host copy of its slot (with a host tier) or prefilled again (without); the tokens are a
+    fresh context's either way, and llama.cpp holds what the mirror says."""
+    prompts = [text_tokens(tiny_model, f"talk {i}: " + "words and more words " * 5) for i in range(4)]
+    turn = text_tokens(tiny_model, " and then", bos=False)
+    with engine(tiny_model, n_ctx=256, n_seq_max=4, n_batch=64, host_bytes=host_bytes) as eng:
+        first = eng.submit(Request(prompts[0], greedy(8))).result(WAIT_S).choices[0].tokens
+        for p in prompts[1:]:
+            eng.submit(Request(p, greedy(8))).result(WAIT_S)
+        assert eng.cache.longest_prefix(prompts[0])[1] < len(prompts[0])  # its cells left the context
+        history = prompts[0] + first + turn
+        before = eng.stats()
+        again = eng.submit(Request(history, greedy(6))).result(WAIT_S)
+        after = eng.stats()
+        for slot in range(eng.cache.n_slots):
+            assert eng.ctx.seq_len(slot) == len(eng.cache.tokens(slot))
+    held = len(prompts[0]) + len(first) - 1  # the first turn's last sampled token was never decoded
+    restored = after.restored_tokens - before.restored_tokens
+    if host_bytes:
+        assert restored == again.end.cached_tokens == held
+        assert after.prefilled_tokens - before.prefilled_tokens == len(history) - held
+    else:
+        assert restored == 0 and again.end.cached_tokens < held
+    assert again.choices[0].tokens == alone(tiny_model, history, greedy(6))

@@ -65,6 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decode each model's agents together in one batch per step, up to this many turns at "
                              "once, in one shared context of --batch-cells cells (0: one context per agent, swapped)")
     parser.add_argument("--batch-cells", type=int, default=8192, help="cells of a model's shared batch context")
+    parser.add_argument("--batch-host-mib", type=int, default=2048,  # BatchConfig.host_bytes
+                        help="host memory for copies of agents' histories evicted from the batch context, restored "
+                             "when the agent returns instead of prefilled again (0: recompute them)")
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="clients served at once; more get ERR TOO_MANY_CONNECTIONS")
     parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
@@ -113,7 +116,8 @@ def _run_socket(args: argparse.Namespace) -> int:
         if args.state_dir:
             raise KvrtError("--state-dir keeps per-agent contexts; it cannot be combined with --batch-slots")
         scheduler = BatchedScheduler(ledger, registry, config=BatchConfig(
-            n_ctx=args.batch_cells, n_seq_max=args.batch_slots, n_threads=args.threads))
+            n_ctx=args.batch_cells, n_seq_max=args.batch_slots, n_threads=args.threads,
+            host_bytes=args.batch_host_mib << 20))
     else:
         scheduler = Scheduler(ledger, registry, n_threads=args.threads, state_dir=args.state_dir,
                               prefetch=args.prefetch)

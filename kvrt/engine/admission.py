@@ -45,12 +45,15 @@ class EngineConfig:
     max_queue: int = 64
     n_threads: int | None = None
     flash_attn: str = "auto"
+    host_bytes: int = 0  # host copies of evicted slots (kvrt.engine.host_tier); 0: evicted prefixes are recomputed
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_seq_max", "n_batch", "prefill_chunk", "max_queue"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EngineError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+        if isinstance(self.host_bytes, bool) or not isinstance(self.host_bytes, int) or self.host_bytes < 0:
+            raise EngineError(f"EngineConfig.host_bytes must be an integer >= 0, got {self.host_bytes!r}")
         if self.n_seq_max > LLAMA_MAX_SEQ:
             raise EngineError(f"n_seq_max={self.n_seq_max} exceeds llama.cpp's {LLAMA_MAX_SEQ} sequences")
         if self.n_batch < self.n_seq_max:
@@ -115,10 +118,17 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
     """
     request = pending.stream.request
     prompt = request.prompt
+    limit = len(prompt) - (0 if pending.pin else 1)  # a choice samples the last prompt token's logits
     src, m = cache.longest_prefix(prompt)
-    m = min(m, len(prompt) - (0 if pending.pin else 1))  # a choice samples the last prompt token's logits
-    if min(coming, len(prompt) - 1) >= m + WAIT_FOR_SHARE:
+    m = min(m, limit)
+    entry, h = cache.host_prefix(prompt)
+    h = min(h, limit)
+    if min(coming, len(prompt) - 1) >= max(m, h) + WAIT_FOR_SHARE:
         return None
+    if entry is not None and h > m:  # a host copy holds more: restore it into a new slot (its cells are new)
+        src, m = None, 0
+    else:
+        entry = None
     src = src if m > 0 else None
     new_cells = len(prompt) - m + (0 if pending.pin else request.n * request.params.max_tokens)
     slots_needed = 1 if pending.pin else request.n
@@ -143,6 +153,10 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
         cache.take_over(src, m)
     elif src is not None:
         cache.copy_prefix(src, first, 0, m)
+    elif entry is not None:
+        cache.evict_until(new_cells + reserved)  # the restore writes new cells: make them free first
+        if cache.restore(first, entry, h):
+            m = h
     live = Live(request, pending.stream, first, reused=m, pin=pending.pin, prefilled=m)
     for i, sampler in enumerate(pending.samplers):
         slot = first if i == 0 else cache.claim()

@@ -38,6 +38,7 @@ from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.decode_step import Feed, fill, greedy_picks
 from kvrt.engine.generation import GenerationParams
+from kvrt.engine.host_tier import HostTier
 from kvrt.engine.live import Choice, Live
 from kvrt.engine.model import Model
 from kvrt.engine.prefix_cache import PrefixCache, common_prefix
@@ -82,7 +83,7 @@ class Engine:
         self.before_step = before_step
         self.ctx = Context(model, self.config.context_params())
         try:
-            self.cache = PrefixCache(self.ctx)
+            self.cache = PrefixCache(self.ctx, HostTier(self.config.host_bytes) if self.config.host_bytes else None)
             self.batch = Batch(self.ctx.n_batch)
         except BaseException:
             self.ctx.close()
@@ -141,8 +142,9 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._lock:
             queued = len(self._queue)
-        return EngineStats(self._steps, self._prefilled, self._reused, self._decoded, self._busy_s, self._decode_s,
-                           queued, len(self._live), self.cache.used_cells, self.n_cells, tuple(self.cache.describe()))
+        return EngineStats(self._steps, self._prefilled, self._reused, self.cache.restored_tokens, self._decoded,
+                           self._busy_s, self._decode_s, queued, len(self._live), self.cache.used_cells, self.n_cells,
+                           tuple(self.cache.describe()))
 
     def close(self) -> None:
         """Stop the worker; waiting and running requests end with :class:`EngineClosed`."""
@@ -378,7 +380,7 @@ class Engine:
         self._finish_all(live, "error", error)
         for slot in live.slots:
             if slot not in self.cache.pinned:
-                self.cache.evict(slot)
+                self.cache.evict(slot, keep_copy=False)
 
     def _end(self, live: Live, error: KvrtError | None = None) -> None:
         if live.ended:

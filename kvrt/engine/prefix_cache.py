@@ -13,10 +13,14 @@ engine, and it mirrors each change exactly: a decoded row makes one new cell,
 claim and a cell without claims is free (what llama.cpp's unified cache does). So
 :attr:`used_cells` is the real count of occupied cells, computed without asking
 llama.cpp, and admission can decide exactly what eviction would free.
+
+With a :class:`kvrt.engine.host_tier.HostTier` an evicted slot's state is first copied
+to host memory; :meth:`PrefixCache.restore` brings such a copy back into a slot.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Literal
@@ -24,7 +28,10 @@ from typing import Literal
 import numpy as np
 
 from kvrt.engine.context import Context
+from kvrt.engine.host_tier import HostEntry, HostTier
 from kvrt.errors import KvrtError
+
+log = logging.getLogger(__name__)
 
 SlotState = Literal["free", "active", "cached"]
 
@@ -41,10 +48,12 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class PrefixCache:
     """Slot states, the tokens each slot's cells hold, and the cells they share."""
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: Context, host: HostTier | None = None) -> None:
         if not ctx.params.kv_unified:
             raise KvrtError("a prefix cache needs a context with kv_unified=True (slots share one pool of cells)")
         self.ctx = ctx
+        self.host = host
+        self.restored_tokens = 0  # tokens brought back from the host tier instead of prefilled
         self.n_cells = ctx.n_ctx
         self.n_slots = ctx.n_seq_max
         self.state: list[SlotState] = ["free"] * self.n_slots
@@ -159,10 +168,33 @@ class PrefixCache:
         if slot not in self.pinned:
             self._lru[slot] = None
 
-    def evict(self, slot: int) -> None:
-        """Empty a slot (``seq_rm`` of all of it); it becomes free."""
+    def host_prefix(self, tokens: Sequence[int]) -> tuple[HostEntry | None, int]:
+        """The host copy sharing the longest prefix with ``tokens`` and its length (``(None, 0)`` without a tier)."""
+        return self.host.longest(tokens) if self.host is not None else (None, 0)
+
+    def restore(self, slot: int, entry: HostEntry, keep: int) -> bool:
+        """Load a host copy into an empty active slot and keep its first ``keep`` positions; False (the slot
+        left empty) when llama.cpp refuses it, e.g. with no run of free cells long enough."""
+        if self.state[slot] != "active" or self._tokens[slot]:
+            raise KvrtError(f"a host copy is restored into an empty active slot; slot {slot} is {self.state[slot]} "
+                            f"holding {len(self._tokens[slot])} positions")
+        try:
+            self.ctx.seq_state_set(entry.state, slot)
+        except KvrtError as exc:
+            log.debug("host copy of %d tokens not restored into slot %d: %s", len(entry.tokens), slot, exc)
+            return False
+        self.appended(slot, entry.tokens)
+        self.truncate(slot, keep)
+        self.restored_tokens += min(keep, len(entry.tokens))
+        return True
+
+    def evict(self, slot: int, *, keep_copy: bool = True) -> None:
+        """Empty a slot (``seq_rm`` of all of it); it becomes free. With a host tier and ``keep_copy`` its
+        state is copied there first (a failed request's slot is not: its cells may be partial)."""
         if slot in self.pinned:
             raise KvrtError(f"slot {slot} is pinned; unpin it before evicting it")
+        if keep_copy and self.host is not None and self.host.worth_keeping(len(self._tokens[slot])):
+            self._copy_to_host(slot)
         self._lru.pop(slot, None)
         self.ctx.seq_rm(slot)  # also when the mirror holds nothing: a failed decode may have left cells
         self._forget(self._cells[slot])
@@ -197,6 +229,16 @@ class PrefixCache:
         self.pinned.discard(slot)
         if self.state[slot] == "cached":
             self._lru[slot] = None
+
+    def _copy_to_host(self, slot: int) -> None:
+        assert self.host is not None
+        try:
+            state = np.empty(self.ctx.seq_state_size(slot), dtype=np.uint8)
+            written = self.ctx.seq_state_get(slot, state)
+        except KvrtError as exc:  # e.g. a sliding-window cache that no longer holds the whole prefix
+            log.debug("slot %d not copied to the host tier: %s", slot, exc)
+            return
+        self.host.put(self._tokens[slot], state[:written])
 
     def _forget(self, cells: Iterable[int]) -> None:
         for cell in cells:

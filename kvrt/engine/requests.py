@@ -262,6 +262,7 @@ class EngineStats:
     steps: int
     prefilled_tokens: int  # prompt tokens decoded
     reused_tokens: int  # prompt tokens taken from the prefix cache instead
+    restored_tokens: int  # of which restored from host copies of evicted slots (EngineConfig.host_bytes)
     decoded_tokens: int  # sampled tokens decoded
     busy_s: float  # wall time of the steps that decoded a batch
     decode_s: float  # of which in llama_decode until its outputs were ready

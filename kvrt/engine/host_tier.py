@@ -1,0 +1,72 @@
+"""The prefix cache's second tier: slots evicted from the context kept as host copies of their sequence state.
+
+An agent whose cached history had to leave the shared context (its cells were needed by
+others) comes back by one ``llama_state_seq_set_data`` of the copy instead of a prefill
+of its whole transcript. The tier holds at most ``capacity_bytes``, least recently used
+out first; an entry is exactly llama.cpp's state of its token prefix, so a restore puts
+the same KV back that was evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvrt.checks import check_int
+
+
+@dataclass(frozen=True)
+class HostEntry:
+    """A host copy of one slot's sequence state, holding exactly ``tokens``."""
+
+    tokens: tuple[int, ...]
+    state: np.ndarray  # uint8, llama.cpp's sequence state bytes
+
+
+class HostTier:
+    """Host copies of evicted slots, keyed by their tokens (a copy that is a prefix of a newer one is dropped)."""
+
+    def __init__(self, capacity_bytes: int, *, min_tokens: int = 32) -> None:
+        self.capacity_bytes = check_int(capacity_bytes, "host tier capacity_bytes", low=0)
+        self.min_tokens = check_int(min_tokens, "host tier min_tokens", low=1)
+        self._entries: OrderedDict[tuple[int, ...], HostEntry] = OrderedDict()  # least recently used first
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def worth_keeping(self, n_tokens: int) -> bool:
+        return n_tokens >= self.min_tokens and self.capacity_bytes > 0
+
+    def put(self, tokens: Sequence[int], state: np.ndarray) -> bool:
+        """Keep ``state`` (of exactly ``tokens``); False when it alone exceeds the capacity."""
+        if state.nbytes > self.capacity_bytes:
+            return False
+        key = tuple(tokens)
+        for old in [k for k in self._entries if len(k) <= len(key) and key[:len(k)] == k]:
+            self._drop(old)  # the new copy holds all of it
+        self._entries[key] = HostEntry(key, state)
+        self.nbytes += state.nbytes
+        while self.nbytes > self.capacity_bytes:
+            self._drop(next(iter(self._entries)))
+        return True
+
+    def longest(self, tokens: Sequence[int]) -> tuple[HostEntry | None, int]:
+        """The entry sharing the longest prefix with ``tokens``, and the length shared (marked recently used)."""
+        query = np.asarray(tokens, dtype=np.int64)
+        best, best_len = None, 0
+        for key, entry in self._entries.items():
+            n = min(len(key), query.size)
+            diff = np.flatnonzero(np.asarray(key[:n], dtype=np.int64) != query[:n])
+            length = int(diff[0]) if diff.size else n
+            if length > best_len:
+                best, best_len = entry, length
+        if best is not None:
+            self._entries.move_to_end(best.tokens)
+        return best, best_len
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        self.nbytes -= self._entries.pop(key).state.nbytes
