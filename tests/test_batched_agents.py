@@ -163,3 +163,35 @@ def test_unregistering_the_last_agent_mid_turn_ends_it_and_frees_the_model(tiny_
         assert ledger.allocated_bytes == 0 and sched.agents() == []
         sched.register("x", tiny_model_path, 2048)  # the id and the model can be used again
         assert sched.decode("x", "hello", 3).tokens
+
+
+def test_a_state_dir_brings_batched_agents_back_with_their_transcripts(tiny_model_path, tmp_path):
+    """Agents saved at close come back in a new scheduler on the same directory with exactly their transcripts,
+    and continue like a from-scratch prefill of them; an unregistered agent is gone, a damaged file is a problem
+    (the others still come back), and the per-agent scheduler refuses these KV-less records by name."""
+    from kvrt.serve.scheduler import Scheduler  # noqa: PLC0415
+    from kvrt.state.agentstore import MANIFEST_SUFFIX  # noqa: PLC0415
+
+    def scheduler(ledger: VramLedger) -> BatchedScheduler:
+        return BatchedScheduler(ledger, config=BatchConfig(n_ctx=2048, n_seq_max=4, n_threads=1, flash_attn="off"),
+                                state_dir=tmp_path)
+
+    ledger = VramLedger(1 << 34)
+    with scheduler(ledger) as sched:
+        for agent in ("a", "b", "c"):
+            sched.register(agent, tiny_model_path, 512)
+            for turn in TURNS[:2]:
+                sched.decode(agent, turn, 6)
+        sched.unregister("c")
+        saved = {agent: sched.transcript(agent) for agent in ("a", "b")}
+    (tmp_path / ("z" + MANIFEST_SUFFIX)).write_text("{not json")
+    with scheduler(ledger) as sched:
+        assert sched.state_restored == 2 and [p.agent_id for p in sched.state_problems] == ["z"]
+        assert {agent: sched.transcript(agent) for agent in ("a", "b")} == saved
+        assert {info.agent_id for info in sched.agents()} == {"a", "b"}
+        probe = sched.decode("a", PROBE, 8)
+        check_greedy(tiny_model_path, saved["a"], PROBE, probe.tokens, "a")
+    assert ledger.allocated_bytes == 0
+    with Scheduler(VramLedger(1 << 34), n_threads=1, state_dir=tmp_path) as per_agent:
+        reasons = {p.agent_id: p.reason for p in per_agent.state_problems}
+        assert per_agent.state_restored == 0 and "--batch-slots" in reasons["a"] and "--batch-slots" in reasons["b"]

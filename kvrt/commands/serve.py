@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per context")
     parser.add_argument("--state-dir", default=None,
                         help="keep agents across restarts: their state is saved here (on swap-out and at shutdown) "
-                             "and restored at start")
+                             "and restored at start (with --batch-slots: registrations and transcripts, the KV "
+                             "recomputed on each agent's first turn)")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                         help="per-agent contexts: restore the agent queued next while the current one decodes "
                              "(--no-prefetch: every swap-in is a synchronous restore at the start of its turn)")
@@ -113,11 +114,9 @@ def _run_socket(args: argparse.Namespace) -> int:
     registry = ModelRegistry(ledger, n_gpu_layers=args.n_gpu_layers, table=table)
     scheduler: Scheduler | BatchedScheduler
     if args.batch_slots:
-        if args.state_dir:
-            raise KvrtError("--state-dir keeps per-agent contexts; it cannot be combined with --batch-slots")
         scheduler = BatchedScheduler(ledger, registry, config=BatchConfig(
             n_ctx=args.batch_cells, n_seq_max=args.batch_slots, n_threads=args.threads,
-            host_bytes=args.batch_host_mib << 20))
+            host_bytes=args.batch_host_mib << 20), state_dir=args.state_dir)
     else:
         scheduler = Scheduler(ledger, registry, n_threads=args.threads, state_dir=args.state_dir,
                               prefetch=args.prefetch)

@@ -52,6 +52,7 @@ from kvrt.engine.requests import (
 )
 from kvrt.engine.sampling import SamplingParams
 from kvrt.serve.agent import ContextPolicy
+from kvrt.serve.batched_store import restore_all, save_all
 from kvrt.serve.registry import LoadedModel, ModelRegistry
 from kvrt.serve.results import (
     AgentExists,
@@ -68,7 +69,7 @@ from kvrt.serve.results import (
     ended_early,
 )
 from kvrt.serve.service import HISTORY, AgentService, TextFn
-from kvrt.state.agentstore import StateProblem
+from kvrt.state.agentstore import AgentStore, StateProblem
 
 log = logging.getLogger("kvrt.serve.batched")
 
@@ -132,12 +133,8 @@ class _Agent:
 class BatchedScheduler(AgentService[_Agent]):
     """Register agents on models and run their turns in continuous batches (see the module docstring)."""
 
-    store = None  # agents are not saved across restarts here
-    state_problems: tuple[StateProblem, ...] = ()
-    state_restored = 0
-
     def __init__(self, ledger: VramLedger, registry: ModelRegistry | None = None, *,
-                 config: BatchConfig | None = None) -> None:
+                 config: BatchConfig | None = None, state_dir: str | os.PathLike[str] | None = None) -> None:
         self.ledger = ledger
         self.registry = registry or ModelRegistry(ledger)
         self._owns_registry = registry is None
@@ -147,6 +144,11 @@ class BatchedScheduler(AgentService[_Agent]):
         self._lock = threading.RLock()
         self._history: deque[RequestMetrics] = deque(maxlen=HISTORY)
         self._closing = False
+        self.store = AgentStore(state_dir) if state_dir is not None else None  # kvrt.serve.batched_store
+        self.state_problems: list[StateProblem] = []
+        self.state_restored = 0
+        if self.store is not None:
+            restore_all(self)
 
     # -- agents -------------------------------------------------------------------------
     def register(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int = 4096, *,
@@ -194,6 +196,8 @@ class BatchedScheduler(AgentService[_Agent]):
         with self._lock:
             agent = self._agent(agent_id)
             del self._agents[agent_id]
+        if self.store is not None:
+            self.store.remove(agent_id)
         self._cancel(agent)
         with self._lock:
             agent.pool.agents -= 1
@@ -394,12 +398,16 @@ class BatchedScheduler(AgentService[_Agent]):
                 agent.queue.clear()
             for turn in turns:
                 turn.future.set_exception(SchedulerClosed("the scheduler shut down before this request ran"))
+        if self.store is not None:
+            save_all(self, agents)
         with self._lock:
             pools = list(self._pools.values())
             self._pools.clear()
             self._agents.clear()
         for pool in pools:
             self._close_pool(pool)
+        if self.store is not None:
+            self.store.close()
         if self._owns_registry:
             self.registry.close()
         return True

@@ -71,6 +71,9 @@ def _restore(sched: Scheduler, record: AgentRecord) -> None:
     store = sched.store
     assert store is not None
     check_agent_id(record.agent_id)
+    if len(record.transcript) - record.n_tokens > 1:
+        raise StateFileError(record.manifest_name, f"agent {record.agent_id!r} was saved without its KV state "
+                                                   "(by a batched scheduler): serve this state dir with --batch-slots")
     try:
         policy = ContextPolicy(**record.policy)  # type: ignore[arg-type]
     except (TypeError, KvrtError) as exc:

@@ -124,9 +124,10 @@ def _decode_manifest(name: str, data: bytes, agent_id: str) -> AgentRecord:
         raise StateFileError(name, f"{name}: invalid model fingerprint ({exc})") from None
     transcript, policy, keep = body.get("transcript"), body.get("policy"), body.get("keep")
     if (not isinstance(transcript, list) or any(type(t) is not int or t < 0 for t in transcript)
-            or not 0 <= len(transcript) - body["n_tokens"] <= 1):
+            or not (body["n_tokens"] == 0 or 0 <= len(transcript) - body["n_tokens"] <= 1)):
         raise StateFileError(name, f"{name}: the transcript is not a list of token ids holding the "
-                                   f"{body['n_tokens']} tokens of the KV state (and at most one more)")
+                                   f"{body['n_tokens']} tokens of the KV state (and at most one more; with no KV "
+                                   "state, any transcript: it is recomputed)")
     if not isinstance(policy, dict) or (keep is not None and (type(keep) is not int or keep < 0)):
         raise StateFileError(name, f"{name}: invalid context policy {policy!r} or kept prefix {keep!r}")
     return AgentRecord(agent_id, body["model_path"], fingerprint, body["n_ctx"], body["n_tokens"],
