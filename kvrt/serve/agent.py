@@ -91,6 +91,33 @@ class ContextPolicy:
     def as_record(self) -> dict[str, object]:
         return {"mode": self.mode, "n_ctx": self.n_ctx, "min_ctx": self.min_ctx, "keep": self.keep}
 
+    def first_keep(self, prompt: int) -> int | None:
+        """A shifting agent's kept prefix, fixed at its first turn: ``keep``, else that turn's prompt (at most half
+        of ``n_ctx``); ``None`` for the other policies."""
+        if self.mode != "shift":
+            return None
+        return self.keep if self.keep is not None else min(prompt, self.n_ctx // 2)
+
+    def make_room(self, who: str, held: int, unfed: int, keep: int | None, prompt: int,
+                  max_tokens: int) -> tuple[int, int] | None:
+        """Where a turn of ``prompt`` new tokens and ``max_tokens`` goes in an agent's history of ``held`` tokens in
+        its KV plus ``unfed`` not yet: ``None`` when it fits, else (shift) ``(keep, drop)``: the history's
+        ``[keep, keep + drop)`` goes; :class:`ContextFull` when it cannot run (nothing changes then)."""
+        needed = held + unfed + prompt + max_tokens
+        if needed <= self.n_ctx:
+            return None
+        why = (f"agent {who!r} holds {held + unfed} tokens; + prompt ({prompt}) + max_tokens ({max_tokens}) = "
+               f"{needed} exceeds its n_ctx {self.n_ctx}")
+        if self.mode != "shift":
+            raise ContextFull(f"{why} (policy={self.mode}: register with policy=shift or a larger n_ctx)")
+        keep = keep if keep is not None else min(prompt, self.n_ctx // 2)
+        room = self.n_ctx - keep - unfed - prompt - max_tokens
+        if room < 0:
+            raise ContextFull(f"{why}, and keeping its first {keep} tokens leaves no room to shift into "
+                              "(lower max_tokens or the prompt)")
+        dropped = held - keep
+        return keep, max(dropped - room, dropped // 2)  # half at once: a shift every few turns, not every turn
+
 
 @dataclass
 class Plan:
@@ -147,21 +174,10 @@ class Agent:
     def plan(self, prompt: int, max_tokens: int) -> Plan:
         """What a turn of ``prompt`` new tokens and ``max_tokens`` needs; :class:`ContextFull` when it cannot run."""
         unfed = len(self.transcript) - self.kv_tokens
-        needed = self.kv_tokens + unfed + prompt + max_tokens
-        limit = self.policy.n_ctx
-        if needed <= limit:
-            return Plan(self.policy.size_for(self.n_ctx, needed))
-        why = (f"agent {self.agent_id!r} holds {len(self.transcript)} tokens; + prompt ({prompt}) + max_tokens "
-               f"({max_tokens}) = {needed} exceeds its n_ctx {limit}")
-        if self.policy.mode != "shift":
-            raise ContextFull(f"{why} (policy={self.policy.mode}: register with policy=shift or a larger n_ctx)")
-        keep = self.keep if self.keep is not None else min(prompt, limit // 2)
-        room = limit - keep - unfed - prompt - max_tokens
-        if room < 0:
-            raise ContextFull(f"{why}, and keeping its first {keep} tokens leaves no room to shift into "
-                              "(lower max_tokens or the prompt)")
-        held = self.kv_tokens - keep
-        drop = max(held - room, held // 2)  # drop half at once, so a shift happens every few turns, not every turn
+        room = self.policy.make_room(self.agent_id, self.kv_tokens, unfed, self.keep, prompt, max_tokens)
+        if room is None:
+            return Plan(self.policy.size_for(self.n_ctx, len(self.transcript) + prompt + max_tokens))
+        keep, drop = room
         return Plan(self.n_ctx, drop=drop, keep=keep)
 
     def shift(self, plan: Plan) -> None:
@@ -175,6 +191,6 @@ class Agent:
         self.check()
 
     def resolve_keep(self, prompt: int) -> None:
-        """Fix the kept prefix of a shifting agent at its first turn (its first prompt, at most half its context)."""
-        if self.policy.mode == "shift" and self.keep is None:
-            self.keep = self.policy.keep if self.policy.keep is not None else min(prompt, self.policy.n_ctx // 2)
+        """Fix the kept prefix of a shifting agent at its first turn (see :meth:`ContextPolicy.first_keep`)."""
+        if self.keep is None:
+            self.keep = self.policy.first_keep(prompt)

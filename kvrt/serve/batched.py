@@ -57,7 +57,6 @@ from kvrt.serve.registry import LoadedModel, ModelRegistry
 from kvrt.serve.results import (
     AgentExists,
     AgentInfo,
-    ContextFull,
     DecodeResult,
     Forked,
     InvalidArgument,
@@ -295,21 +294,12 @@ class BatchedScheduler(AgentService[_Agent]):
         model = agent.pool.entry.model
         turn.tokens = prompt_tokens(model, turn.prompt, "prompt", add_special=not agent.transcript,
                                     error=InvalidArgument)
-        if agent.policy.mode == "shift" and agent.keep is None:
-            agent.keep = agent.policy.keep if agent.policy.keep is not None else min(len(turn.tokens),
-                                                                                     agent.policy.n_ctx // 2)
-        needed = len(agent.transcript) + len(turn.tokens) + turn.params.max_tokens
-        limit = agent.policy.n_ctx
-        if needed > limit:
-            why = (f"agent {agent.agent_id!r} holds {len(agent.transcript)} tokens; + prompt ({len(turn.tokens)}) "
-                   f"+ max_tokens ({turn.params.max_tokens}) = {needed} exceeds its n_ctx {limit}")
-            keep = agent.keep or 0
-            if agent.policy.mode != "shift":
-                raise ContextFull(f"{why} (policy={agent.policy.mode}: register with policy=shift or a larger n_ctx)")
-            if keep + len(turn.tokens) + turn.params.max_tokens > limit:
-                raise ContextFull(f"{why}, and keeping its first {keep} tokens leaves no room to shift into")
-            held = len(agent.transcript) - keep
-            drop = max(needed - limit, held // 2)
+        if agent.keep is None:
+            agent.keep = agent.policy.first_keep(len(turn.tokens))
+        room = agent.policy.make_room(agent.agent_id, len(agent.transcript), 0, agent.keep, len(turn.tokens),
+                                      turn.params.max_tokens)
+        if room is not None:
+            keep, drop = room
             del agent.transcript[keep:keep + drop]
         deadline = turn.deadline
         return Request(agent.transcript + turn.tokens, turn.params, deadline=deadline)
