@@ -61,6 +61,13 @@ def weights(path: Path) -> int:
     return ModelShape.read(path).weight_bytes(on_gpu=DeviceMeter.gpu_present())
 
 
+def assert_freed_and_exact(ledger: VramLedger, got: dict[str, list[list[int]]], path: Path) -> None:
+    """After close: nothing is charged, and every agent's tokens are those of a context never swapped."""
+    assert ledger.allocated_bytes == 0
+    for name, prompts in AGENTS.items():
+        assert got[name] == never_left(path, prompts, N)
+
+
 def run_rounds(path: Path, prefetch: bool) -> tuple[dict[str, list[list[int]]], dict[str, list[int]], Scheduler,
                                                     VramLedger]:
     """Three agents of one model, a ledger for two live contexts, every round queued at once: most turns swap
@@ -185,9 +192,7 @@ def test_a_failed_staging_copy_falls_back_to_the_synchronous_restore(tiny_model_
         assert staging_charges(ledger) == {} and ledger.allocated_bytes == live_charges(sched, tiny_model_path)
     finally:
         sched.close()
-    assert ledger.allocated_bytes == 0
-    for name, prompts in AGENTS.items():
-        assert got[name] == never_left(tiny_model_path, prompts, N)
+    assert_freed_and_exact(ledger, got, tiny_model_path)
 
 
 def test_no_room_for_a_staging_context_falls_back(tiny_model_path, other_tiny_model_path):
@@ -247,9 +252,7 @@ def test_on_an_emulated_gpu_the_ledger_admits_two_contexts_and_agents_are_prefet
         assert staging_charges(ledger) == {} and ledger.allocated_bytes == live_charges(sched, tiny_model_path)
     finally:
         sched.close()
-    assert ledger.allocated_bytes == 0
-    for name, prompts in AGENTS.items():
-        assert got[name] == never_left(tiny_model_path, prompts, N)
+    assert_freed_and_exact(ledger, got, tiny_model_path)
 
 
 def test_measured_charges_leaving_one_live_context_make_every_prefetch_fall_back(tiny_model_path, emulated_gpu,
@@ -275,6 +278,4 @@ def test_measured_charges_leaving_one_live_context_make_every_prefetch_fall_back
         assert live_info.context_bytes == owners[f"agent:{active[0]}"]
     finally:
         sched.close()
-    assert ledger.allocated_bytes == 0
-    for name, prompts in AGENTS.items():
-        assert got[name] == never_left(tiny_model_path, prompts, N)
+    assert_freed_and_exact(ledger, got, tiny_model_path)

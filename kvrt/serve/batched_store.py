@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 
 from kvrt.errors import KvrtError
 from kvrt.serve.agent import ContextPolicy
-from kvrt.state.agentstore import AgentRecord, StateFileError, StateProblem
+from kvrt.serve.statedir import restore_each
+from kvrt.state.agentstore import AgentRecord, StateFileError
 
 if TYPE_CHECKING:
     from kvrt.serve.batched import BatchedScheduler, _Agent
@@ -41,19 +42,7 @@ def save_all(sched: BatchedScheduler, agents: list[_Agent]) -> None:
 
 def restore_all(sched: BatchedScheduler) -> None:
     """Register every agent saved in the state dir again, with its transcript; each one that cannot is a problem."""
-    store = sched.store
-    assert store is not None
-    records, problems = store.load()
-    for record in records:
-        try:
-            _restore(sched, record)
-        except (KvrtError, OSError) as exc:
-            problems.append(StateProblem(record.agent_id, getattr(exc, "file", record.manifest_name), str(exc)))
-        else:
-            sched.state_restored += 1
-    for problem in problems:
-        log.warning("saved agent %r not restored (%s): %s", problem.agent_id, problem.file, problem.reason)
-    sched.state_problems = problems
+    restore_each(sched, lambda record: _restore(sched, record))
 
 
 def _restore(sched: BatchedScheduler, record: AgentRecord) -> None:

@@ -10,7 +10,8 @@ model, no room) is skipped and listed in :attr:`Scheduler.state_problems`.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from kvrt.errors import KvrtError
 from kvrt.serve.agent import Agent, ContextPolicy
@@ -21,6 +22,7 @@ from kvrt.state.snapshot import Snapshot
 
 if TYPE_CHECKING:
     from kvrt.serve.scheduler import Scheduler
+    from kvrt.serve.service import AgentService
 
 log = logging.getLogger("kvrt.serve.statedir")
 
@@ -50,12 +52,18 @@ def persist(sched: Scheduler, agent: Agent) -> None:
 
 def restore_all(sched: Scheduler) -> None:
     """Bring back every agent saved in the state dir (worker thread); each one that cannot be is a problem."""
+    restore_each(sched, lambda record: _restore(sched, record))
+
+
+def restore_each(sched: AgentService[Any], restore: Callable[[AgentRecord], None]) -> None:
+    """``restore`` every record of ``sched.store``; count what came back in ``sched.state_restored`` and list
+    each record that could not (unreadable, or ``restore`` raised) in ``sched.state_problems``."""
     store = sched.store
     assert store is not None
     records, problems = store.load()
     for record in records:
         try:
-            _restore(sched, record)
+            restore(record)
         except (KvrtError, OSError) as exc:
             problems.append(StateProblem(record.agent_id, getattr(exc, "file", record.manifest_name), str(exc)))
         else:
