@@ -1,0 +1,104 @@
+"""Microbenchmark of the batching engine's host tier: an evicted history restored from its host copy vs prefilled.
+
+Run: ``pytest bench/bench_host_tier.py --benchmark-enable`` (plain ``pytest`` runs each once
+as a test). The model is a generated tiny F32 llama unless ``KVRT_BENCH_MODEL`` names a
+GGUF (e.g. the demo model); ``KVRT_BENCH_DOC_TOKENS`` sets the history's length (default
+512). Both benchmarks put the same history into an empty slot of one unified-KV context,
+through :meth:`kvrt.engine.prefix_cache.PrefixCache.restore` (what a returning agent costs
+with the tier) or a prefill (what it costs without); each checks the slot holds the
+history and continues with the token the original did.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from kvrt_bench.fanout import fox_document
+
+from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.generation import prefill
+from kvrt.engine.host_tier import HostTier
+from kvrt.engine.model import Model
+from kvrt.engine.prefix_cache import PrefixCache
+
+DOC_TOKENS = int(os.environ.get("KVRT_BENCH_DOC_TOKENS", "512"))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory):
+    path = os.environ.get("KVRT_BENCH_MODEL")
+    if not path:
+        from kvrt.modelfiles.testmodels import write_model
+
+        path = write_model(tmp_path_factory.mktemp("bench") / "tiny.gguf", "tiny", seed=0)
+    with Model(path) as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="module")
+def cache(model: Model):
+    """A two-slot cache whose host tier holds the history evicted from slot 0, and the history's next token."""
+    doc = fox_document(model, DOC_TOKENS)
+    params = ContextParams(n_ctx=-(-(2 * DOC_TOKENS + 64) // 256) * 256, n_seq_max=2, kv_unified=True,
+                           flash_attn="off")
+    with Context(model, params) as ctx:
+        cache = PrefixCache(ctx, HostTier(1 << 34))
+        slot = cache.claim()
+        assert slot is not None
+        prefill(ctx, doc, seq_id=slot, logits_last=False)
+        cache.appended(slot, doc)
+        expected = _next_token(cache, slot, doc)
+        cache.release(slot)
+        cache.evict(slot)  # copied to the host tier first
+        entry, held = cache.host_prefix(doc)
+        assert entry is not None and held == len(doc)
+        yield cache, doc, expected
+
+
+def _empty_slot(cache: PrefixCache) -> int:
+    slot = cache.claim()
+    assert slot is not None
+    return slot
+
+
+def _next_token(cache: PrefixCache, slot: int, doc: list[int]) -> int:
+    """The token after the history in ``slot``: its last token decoded again at its own position (the slot
+    holds the history again afterwards)."""
+    cache.truncate(slot, len(doc) - 1)
+    token = int(np.argmax(cache.ctx.logits(prefill(cache.ctx, doc[-1:], seq_id=slot))))
+    cache.appended(slot, doc[-1:])
+    return token
+
+
+def _bench(benchmark, cache: PrefixCache, doc: list[int], expected: int, fill) -> None:
+    slots: list[int] = []
+
+    def setup() -> None:
+        for slot in slots:
+            cache.evict(slot, keep_copy=False)
+        slots[:] = [_empty_slot(cache)]
+
+    benchmark.extra_info["history_tokens"] = len(doc)
+    benchmark.pedantic(lambda: fill(slots[0]), setup=setup, rounds=5, iterations=1)
+    slot = slots[0]
+    assert cache.ctx.seq_len(slot) == len(doc) and _next_token(cache, slot, doc) == expected
+    cache.evict(slot, keep_copy=False)
+
+
+def test_returning_history_restored_from_the_host_tier(benchmark, cache):
+    tier, doc, expected = cache
+    entry, _ = tier.host_prefix(doc)
+    benchmark.extra_info["state_bytes"] = int(entry.state.nbytes)
+    _bench(benchmark, tier, doc, expected, lambda slot: tier.restore(slot, entry, len(doc)) or pytest.fail("refused"))
+
+
+def test_returning_history_prefilled_again(benchmark, cache):
+    tier, doc, expected = cache
+
+    def fill(slot: int) -> None:
+        prefill(tier.ctx, doc, seq_id=slot, logits_last=False)
+        tier.appended(slot, doc)
+
+    _bench(benchmark, tier, doc, expected, fill)
