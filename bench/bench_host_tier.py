@@ -27,17 +27,6 @@ DOC_TOKENS = int(os.environ.get("KVRT_BENCH_DOC_TOKENS", "512"))
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    path = os.environ.get("KVRT_BENCH_MODEL")
-    if not path:
-        from kvrt.modelfiles.testmodels import write_model
-
-        path = write_model(tmp_path_factory.mktemp("bench") / "tiny.gguf", "tiny", seed=0)
-    with Model(path) as loaded:
-        yield loaded
-
-
-@pytest.fixture(scope="module")
 def cache(model: Model):
     """A two-slot cache whose host tier holds the history evicted from slot 0, and the history's next token."""
     doc = fox_document(model, DOC_TOKENS)

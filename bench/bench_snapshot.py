@@ -26,17 +26,6 @@ N_FORKS = 8
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory):
-    path = os.environ.get("KVRT_BENCH_MODEL")
-    if not path:
-        from kvrt.modelfiles.testmodels import write_model
-
-        path = write_model(tmp_path_factory.mktemp("bench") / "tiny.gguf", "tiny", seed=0)
-    with Model(path) as loaded:
-        yield loaded
-
-
-@pytest.fixture(scope="module")
 def params() -> ContextParams:
     return ContextParams(n_ctx=-(-(DOC_TOKENS + 64) // 256) * 256)
 
