@@ -211,9 +211,12 @@ class Engine:
         rows = self._fill()
         if not rows:
             return False
+        t_decode = time.perf_counter()
         if self._decode(rows):
             self._steps += 1
-            self._advance(rows)
+            self._advance(rows)  # cell bookkeeping, under the compute where llama_decode returns early (GPU)
+            self.ctx.synchronize()  # the outputs are read next anyway: the wait is the decode's
+            self._decode_s += time.perf_counter() - t_decode
             self._sample(rows)
         self._busy_s += time.perf_counter() - t0
         return True
@@ -295,10 +298,7 @@ class Engine:
         """
         for attempt in range(2):
             try:
-                t0 = time.perf_counter()
                 self.ctx.decode(self.batch)
-                self.ctx.synchronize()  # the outputs are read next anyway; the wait is the decode's
-                self._decode_s += time.perf_counter() - t0
                 return True
             except DecodeError as exc:
                 if attempt == 0 and exc.code == 1 and self.cache.evict_all():

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvrt.checks import check_int
+from kvrt.engine.prefix_cache import common_prefix
 
 
 @dataclass(frozen=True)
@@ -56,12 +57,9 @@ class HostTier:
 
     def longest(self, tokens: Sequence[int]) -> tuple[HostEntry | None, int]:
         """The entry sharing the longest prefix with ``tokens``, and the length shared (marked recently used)."""
-        query = np.asarray(tokens, dtype=np.int64)
         best, best_len = None, 0
         for key, entry in self._entries.items():
-            n = min(len(key), query.size)
-            diff = np.flatnonzero(np.asarray(key[:n], dtype=np.int64) != query[:n])
-            length = int(diff[0]) if diff.size else n
+            length = common_prefix(key, tokens)
             if length > best_len:
                 best, best_len = entry, length
         if best is not None:

@@ -23,13 +23,15 @@ from __future__ import annotations
 import logging
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from kvrt.engine.context import Context
-from kvrt.engine.host_tier import HostEntry, HostTier
 from kvrt.errors import KvrtError
+
+if TYPE_CHECKING:  # the tier calls common_prefix of this module
+    from kvrt.engine.host_tier import HostEntry, HostTier
 
 log = logging.getLogger(__name__)
 

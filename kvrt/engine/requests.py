@@ -265,7 +265,7 @@ class EngineStats:
     restored_tokens: int  # of which restored from host copies of evicted slots (EngineConfig.host_bytes)
     decoded_tokens: int  # sampled tokens decoded
     busy_s: float  # wall time of the steps that decoded a batch
-    decode_s: float  # of which in llama_decode until its outputs were ready
+    decode_s: float  # of which from llama_decode's call until its outputs were ready (bookkeeping runs under it)
     queued: int
     active: int
     used_cells: int
