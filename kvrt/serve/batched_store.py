@@ -16,9 +16,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvrt.errors import KvrtError
-from kvrt.serve.agent import ContextPolicy
-from kvrt.serve.statedir import restore_each
-from kvrt.state.agentstore import AgentRecord, StateFileError
+from kvrt.serve.statedir import check_model, record_policy, restore_each
+from kvrt.state.agentstore import AgentRecord
 
 if TYPE_CHECKING:
     from kvrt.serve.batched import BatchedScheduler, _Agent
@@ -46,20 +45,13 @@ def restore_all(sched: BatchedScheduler) -> None:
 
 
 def _restore(sched: BatchedScheduler, record: AgentRecord) -> None:
+    policy = record_policy(record)
+    entry = sched.registry.acquire(record.model_path)  # checked before anything is registered; held meanwhile
     try:
-        policy = ContextPolicy(**record.policy)  # type: ignore[arg-type]
-    except (TypeError, KvrtError) as exc:
-        raise StateFileError(record.manifest_name, f"{record.manifest_name}: invalid context policy "
-                                                   f"{record.policy!r}: {exc}") from None
-    entry = sched.registry.acquire(record.model_path)  # checked before anything is registered
-    try:
-        mismatch = record.fingerprint.mismatch(entry.model.fingerprint)
+        check_model(record, entry)
+        sched.register(record.agent_id, record.model_path, policy.n_ctx, policy=policy.mode,
+                       min_ctx=policy.min_ctx, keep=policy.keep)
     finally:
-        sched.registry.release(entry)
-    if mismatch is not None:
-        raise StateFileError(record.manifest_name, f"model {record.model_path} is not the one agent "
-                                                   f"{record.agent_id!r} was saved with: {mismatch}")
-    sched.register(record.agent_id, record.model_path, policy.n_ctx, policy=policy.mode, min_ctx=policy.min_ctx,
-                   keep=policy.keep)
+        sched.registry.release(entry)  # the agent's pool holds the model now
     agent = sched._agents[record.agent_id]
     agent.transcript, agent.keep, agent.served_tokens = list(record.transcript), record.keep, record.served_tokens

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from kvrt.errors import KvrtError
 from kvrt.serve.agent import Agent, ContextPolicy
 from kvrt.serve.membership import admit
+from kvrt.serve.registry import LoadedModel
 from kvrt.serve.results import check_agent_id
 from kvrt.state.agentstore import AgentRecord, StateFileError, StateProblem
 from kvrt.state.snapshot import Snapshot
@@ -74,6 +75,23 @@ def restore_each(sched: AgentService[Any], restore: Callable[[AgentRecord], None
     log.info("restored %d agent(s) from %s, skipped %d", sched.state_restored, store.directory, len(problems))
 
 
+def record_policy(record: AgentRecord) -> ContextPolicy:
+    """The context policy a saved agent was registered with; :class:`StateFileError` naming the file if invalid."""
+    try:
+        return ContextPolicy(**record.policy)  # type: ignore[arg-type]
+    except (TypeError, KvrtError) as exc:
+        raise StateFileError(record.manifest_name, f"{record.manifest_name}: invalid context policy "
+                                                   f"{record.policy!r}: {exc}") from None
+
+
+def check_model(record: AgentRecord, entry: LoadedModel) -> None:
+    """:class:`StateFileError` when the model now at the record's path is not the one the agent was saved with."""
+    mismatch = record.fingerprint.mismatch(entry.model.fingerprint)
+    if mismatch is not None:
+        raise StateFileError(record.manifest_name, f"model {record.model_path} is not the one agent "
+                                                   f"{record.agent_id!r} was saved with: {mismatch}")
+
+
 def _restore(sched: Scheduler, record: AgentRecord) -> None:
     """One saved agent back in, swapped out (its KV in host memory); nothing is kept when any check fails."""
     store = sched.store
@@ -82,17 +100,9 @@ def _restore(sched: Scheduler, record: AgentRecord) -> None:
     if len(record.transcript) - record.n_tokens > 1:
         raise StateFileError(record.manifest_name, f"agent {record.agent_id!r} was saved without its KV state "
                                                    "(by a batched scheduler): serve this state dir with --batch-slots")
+    agent = admit(sched, record.agent_id, record.model_path, record_policy(record), record.n_ctx)
     try:
-        policy = ContextPolicy(**record.policy)  # type: ignore[arg-type]
-    except (TypeError, KvrtError) as exc:
-        raise StateFileError(record.manifest_name, f"{record.manifest_name}: invalid context policy "
-                                                   f"{record.policy!r}: {exc}") from None
-    agent = admit(sched, record.agent_id, record.model_path, policy, record.n_ctx)
-    try:
-        mismatch = record.fingerprint.mismatch(agent.entry.model.fingerprint)
-        if mismatch is not None:
-            raise StateFileError(record.manifest_name, f"model {record.model_path} is not the one agent "
-                                                       f"{record.agent_id!r} was saved with: {mismatch}")
+        check_model(record, agent.entry)
         agent.snapshot = store.load_snapshot(record, sched.pool)
     except BaseException:
         sched.registry.release(agent.entry)
