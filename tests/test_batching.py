@@ -438,6 +438,9 @@ def test_cells_are_evicted_lru_and_the_mirror_matches_llama_cpp(tiny_model):
 def test_a_refused_configuration_allocates_nothing(tiny_model):
     with pytest.raises(EngineError, match=r"n_batch \(4\) must be >= n_seq_max \(8\)"):
         EngineConfig(n_seq_max=8, n_batch=4)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(EngineError, match=r"host_bytes must be an integer >= 0"):
+            EngineConfig(host_bytes=bad)
     with engine(tiny_model) as eng, pytest.raises(EngineError, match="outside the vocabulary"):
         eng.submit(Request([1, tiny_model.n_vocab], greedy(4)))
 
