@@ -3,9 +3,12 @@
 llama.cpp allocates KV for all of ``n_ctx`` when a context is created. An
 :class:`ElasticContext` starts at the smallest bucket (``min_ctx * 2**k``, up to
 ``max_ctx``) and, when the sequence is about to outgrow it, moves the sequence state
-into a context of a larger bucket: a host :class:`kvrt.state.snapshot.Snapshot` is
-captured from the old context and restored into the new one. ``shrink_to_fit`` moves
-it back down when idle; ``swap_out`` keeps the snapshot and frees the context.
+into a context of a larger bucket (:meth:`kvrt.state.agent_context.AgentContext.move`: a
+host snapshot captured from the old context, restored into the new one). ``shrink_to_fit``
+moves it back down when idle; ``swap_out`` keeps the snapshot and frees the context. The
+sequence, its context, its charge and its swap are an
+:class:`~kvrt.state.agent_context.AgentContext`, as a scheduler's agent's are; the
+buckets, the spare and growing ahead are this module's policy.
 
 Why growth stays off the critical path: ``generate`` knows prompt + ``max_tokens``, so
 it grows once, before the prefill, never while decoding; between requests
@@ -29,29 +32,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from kvrt.accounting.estimate import ModelShape, context_estimate
+from kvrt.accounting.estimate import ModelShape
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import Completion, GenerationParams, ProgressFn, generate, prefill
 from kvrt.engine.model import Model
 from kvrt.errors import KvrtError
 from kvrt.memory.elastic_records import Resize, Spare
+from kvrt.state.agent_context import SEQ, AgentContext
 from kvrt.state.hostpool import HostPool
 from kvrt.state.sized_context import CTX_PAD, ChargedContext, bucket
-from kvrt.state.snapshot import Snapshot
-
-SEQ = 0  # an elastic context carries one sequence
-
-
-@dataclass(frozen=True)
-class _Swapped:
-    """A swapped-out sequence: its state on the host (``None`` when it held no tokens)."""
-
-    state: Snapshot | None
-
-    @property
-    def n_tokens(self) -> int:
-        return self.state.n_tokens if self.state is not None else 0
 
 
 @dataclass
@@ -91,16 +81,14 @@ class ElasticContext:
         self.max_ctx = max_ctx
         self.min_ctx = min_ctx
         self.owner = owner
-        self._params = replace(params or ContextParams(), n_ctx=min_ctx, n_seq_max=1, kv_unified=False)
-        self._ledger = ledger
-        self._shape = ModelShape.read(model.path)
-        self._live: ChargedContext | None = None
-        self._host = host_pool if host_pool is not None else HostPool()
-        self._swapped: _Swapped | None = None
+        base = replace(params or ContextParams(), n_ctx=min_ctx, n_seq_max=1, kv_unified=False)
+        self._kv = AgentContext(model, ModelShape.read(model.path), base, ledger, owner, self.bucket(1),
+                                pool=host_pool if host_pool is not None else HostPool())
+        self._closed = False
         self.resizes: list[Resize] = []
         self.spares: list[Spare] = []  # every spare prepared, in order (the last may still be held)
         self._spare: _HeldSpare | None = None
-        self._live = self._open(self.bucket(1), None)
+        self._kv.open()
         if expected_tokens is not None:
             self.prepare(expected_tokens)
 
@@ -114,27 +102,25 @@ class ElasticContext:
     @property
     def ctx(self) -> Context:
         """The live context (swapped-out agents are swapped back in first)."""
-        if self._live is None:
+        if self._kv.ctx is None:
             self.swap_in()
-        assert self._live is not None
-        return self._live.ctx
+        ctx = self._kv.ctx
+        assert ctx is not None
+        return ctx
 
     @property
     def n_ctx(self) -> int:
         """Cells of the live context (0 while swapped out)."""
-        return self._live.ctx.n_ctx if self._live is not None else 0
+        return self._kv.n_ctx if self._kv.live is not None else 0
 
     @property
     def n_tokens(self) -> int:
-        if self._live is None and self._swapped is not None:
-            return self._swapped.n_tokens
-        return self.ctx.seq_len(SEQ)
+        return self._kv.n_tokens
 
     @property
     def charged_bytes(self) -> int:
         """Bytes charged to the ledger for this agent: the live context plus the spare, if any."""
-        live = self._live.charge if self._live is not None else None
-        return (live.nbytes if live is not None else 0) + self.spare_bytes
+        return (self._kv.nbytes if self._kv.live is not None else 0) + self.spare_bytes
 
     @property
     def spare_ctx(self) -> int:
@@ -152,7 +138,7 @@ class ElasticContext:
 
     def context_bytes(self, n_ctx: int) -> int:
         """What a context of ``n_ctx`` cells is charged: KV plus compute buffer, from the GGUF header."""
-        return context_estimate(self._shape, n_ctx, self._params.n_ubatch).total_bytes
+        return self._kv.estimate(n_ctx)
 
     def _growth_target(self, n_ctx: int, n_tokens: int) -> int:
         """The bucket a context of ``n_ctx`` cells grows to so it holds ``n_tokens``: at least the next bucket."""
@@ -176,7 +162,7 @@ class ElasticContext:
         is swapped out) or the ledger refused it; nothing changes then. A held spare at
         least as large is kept; a smaller one is replaced (the new one is charged first).
         """
-        if self._live is None or self.n_ctx >= self.max_ctx:
+        if self._kv.live is None or self.n_ctx >= self.max_ctx:
             return None
         if n_tokens is None:
             target = self._growth_target(self.n_ctx, self.n_ctx + 1)
@@ -188,7 +174,7 @@ class ElasticContext:
         if self._spare is not None and self._spare.record.n_ctx >= target:
             return self._spare.record.n_ctx
         try:
-            sized = self._create(target, f"{self.owner}:spare")
+            sized = self._kv.create(target, f"{self.owner}:spare")
         except LedgerDenied:
             return None
         self.drop_spare()
@@ -203,7 +189,7 @@ class ElasticContext:
         if self._spare is None:
             return 0
         spare, self._spare = self._spare, None
-        spare.sized.close(self._ledger)
+        spare.sized.close(self._kv.ledger)
         spare.record.end("dropped", time.perf_counter())
         return spare.record.nbytes
 
@@ -213,7 +199,7 @@ class ElasticContext:
         Returns the move, or ``None`` when none was needed, the context is at ``max_ctx``,
         or the ledger refused the bigger bucket (nothing changes; growth happens on demand).
         """
-        if self._live is None or self.n_ctx >= self.max_ctx or self.n_tokens < fill * self.n_ctx:
+        if self._kv.live is None or self.n_ctx >= self.max_ctx or self.n_tokens < fill * self.n_ctx:
             return None
         try:
             self._resize(self._growth_target(self.n_ctx, self.n_ctx), on_path=False)
@@ -230,94 +216,45 @@ class ElasticContext:
 
     def swap_out(self) -> int:
         """Keep the sequence state in host memory, free the context and its charge; returns state bytes."""
-        state = self._capture(self.ctx)
-        self._swapped = _Swapped(state)
-        self._close_live()
+        if self._kv.live is None:
+            self.swap_in()  # swapping out again captures the live state (and refuses a closed context)
+        nbytes = self._kv.swap_out()
+        self._kv.free()
         self.drop_spare()
-        return state.nbytes if state is not None else 0
+        return nbytes
 
     def swap_in(self) -> None:
         """Restore a swapped-out sequence into a context of the bucket it needs."""
-        if self._live is not None:
+        if self._kv.live is not None:
             return
-        if self._swapped is None:
+        if self._closed:
             raise KvrtError("this elastic context is closed")
-        swapped = self._swapped
-        self._live = self._open(self.bucket(max(swapped.n_tokens, 1)), swapped.state)
-        self._swapped = None
-        if swapped.state is not None:
-            swapped.state.release()
-
-    def _capture(self, ctx: Context) -> Snapshot | None:
-        """The sequence's state in a host snapshot (``None`` when it holds no tokens)."""
-        return Snapshot.capture(ctx, SEQ, pool=self._host) if ctx.seq_len(SEQ) else None
+        self._kv.set_size(self.bucket(max(self._kv.n_tokens, 1)))
+        self._kv.open()
+        self._kv.swap_in()
 
     def _resize(self, n_ctx: int, *, on_path: bool = True) -> None:
         """Move the sequence into a context of ``n_ctx`` cells (the held spare when it is at least that large)."""
-        old = self.ctx
-        held = old.seq_len(SEQ)
+        old_n_ctx, held = self.ctx.n_ctx, self.n_tokens
         if n_ctx < held:
             raise KvrtError(f"cannot move {held} tokens into a context of {n_ctx} cells")
-        t0 = time.perf_counter()
-        state = self._capture(old)
-        t_captured = time.perf_counter()
-        grows = n_ctx > old.n_ctx
+        grows = n_ctx > old_n_ctx
         spare = self._spare if grows and self._spare is not None and self._spare.record.n_ctx >= n_ctx else None
         if grows and spare is None:
             self.drop_spare()  # too small to grow into, now or later: give its memory back before creating
+        if spare is not None:
+            self._spare = None  # taken: the move adopts it, or closes it if the move fails
+        t0 = time.perf_counter()
         try:
-            if spare is not None:
-                self._spare = None  # taken: from here on it is the new context (or closed with it on failure)
-                sized = spare.sized
-            else:
-                sized = self._create(n_ctx, self.owner)
-            restore_s = self._load(sized, state)
+            move = self._kv.move(n_ctx, into=spare.sized if spare is not None else None)
         except BaseException:
             if spare is not None:
                 spare.record.end("dropped", time.perf_counter())
             raise
-        finally:
-            if state is not None:
-                state.release()
         if spare is not None:
-            spare.record.end("used", t_captured)
-            if sized.charge is not None and self._ledger is not None:
-                self._ledger.transfer(sized.charge, self.owner)  # the spare's charge is now the live context's
-        t_loaded = time.perf_counter()
-        old_n_ctx = old.n_ctx
-        self._close_live()
-        self._live = sized
-        t_end = time.perf_counter()
-        create_s = 0.0 if spare is not None else sized.create_s
-        self.resizes.append(Resize(old_n_ctx, self.n_ctx, held, state.nbytes if state is not None else 0, t_end - t0,
-                                   on_path, t_captured - t0, create_s, restore_s, t_end - t_loaded, spare is not None))
-
-    def _create(self, n_ctx: int, owner: str) -> ChargedContext:
-        """Charge, then create an empty context of ``n_ctx`` cells; on failure nothing is kept."""
-        return ChargedContext.open(self.model, replace(self._params, n_ctx=n_ctx), self._ledger,
-                                   self.context_bytes(n_ctx), owner)
-
-    def _load(self, sized: ChargedContext, state: Snapshot | None) -> float:
-        """Restore ``state`` into ``sized``; returns seconds. On failure ``sized`` is closed and its charge released."""
-        try:
-            t0 = time.perf_counter()
-            if state is not None:
-                state.restore(sized.ctx, SEQ)
-            return time.perf_counter() - t0
-        except BaseException:
-            sized.close(self._ledger)
-            raise
-
-    def _open(self, n_ctx: int, state: Snapshot | None) -> ChargedContext:
-        """Charge, create a context of ``n_ctx`` cells and restore ``state`` into it; on failure nothing is kept."""
-        sized = self._create(n_ctx, self.owner)
-        self._load(sized, state)
-        return sized
-
-    def _close_live(self) -> None:
-        if self._live is not None:
-            live, self._live = self._live, None
-            live.close(self._ledger)
+            spare.record.end("used", t0 + move.capture_s)
+        self.resizes.append(Resize(old_n_ctx, self.n_ctx, held, move.state_bytes, time.perf_counter() - t0, on_path,
+                                   move.capture_s, move.create_s, move.restore_s, move.close_s, spare is not None))
 
     # decoding -------------------------------------------------------------------------------
     def prefill(self, tokens: Sequence[int], *, progress: ProgressFn | None = None) -> int:
@@ -352,11 +289,9 @@ class ElasticContext:
         return done
 
     def close(self) -> None:
-        self._close_live()
+        self._kv.close()
         self.drop_spare()
-        if self._swapped is not None and self._swapped.state is not None:
-            self._swapped.state.release()
-        self._swapped = None
+        self._closed = True
 
     def __enter__(self) -> ElasticContext:
         return self
@@ -365,6 +300,6 @@ class ElasticContext:
         self.close()
 
     def __repr__(self) -> str:
-        where = f"n_ctx={self.n_ctx}" if self._live is not None else "swapped out"
+        where = f"n_ctx={self.n_ctx}" if self._kv.live is not None else "swapped out"
         spare = f", spare={self.spare_ctx}" if self._spare is not None else ""
         return f"ElasticContext({where}, max_ctx={self.max_ctx}, resizes={len(self.resizes)}{spare})"

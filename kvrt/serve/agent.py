@@ -2,8 +2,9 @@
 
 An :class:`Agent` is the scheduler's unit. Its ``transcript`` is every token of its
 history, in order (prompts, and every token the model sampled, an end-of-generation
-token included). Invariant, between turns: the KV cache of sequence 0 (live in
-``context`` or captured in ``snapshot``, or being captured: ``draining``) holds exactly ``transcript[:kv_tokens]`` at
+token included). Invariant, between turns: the KV cache of sequence 0 (its
+:class:`~kvrt.state.agent_context.AgentContext` ``kv``: live in ``context`` or captured in
+``snapshot``; or being captured: ``draining``) holds exactly ``transcript[:kv_tokens]`` at
 positions ``0 .. kv_tokens - 1``, and ``transcript[kv_tokens:]`` (at most the one token
 sampled last, which :func:`kvrt.engine.generation.generate` never decodes) is fed first
 with the next turn. So after any number of turns, swaps and forks the agent's state is
@@ -28,7 +29,8 @@ from typing import TYPE_CHECKING
 from kvrt.engine.context import Context
 from kvrt.serve.registry import LoadedModel
 from kvrt.serve.results import ContextFull, InvalidArgument
-from kvrt.state.sized_context import CTX_PAD, ChargedContext, bucket, padded
+from kvrt.state.agent_context import AgentContext
+from kvrt.state.sized_context import CTX_PAD, bucket, padded
 from kvrt.state.snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -135,11 +137,8 @@ class Agent:
     agent_id: str
     entry: LoadedModel
     policy: ContextPolicy
-    n_ctx: int  # cells of its context (the one it has, or the next one it will get)
-    context_bytes: int
+    kv: AgentContext  # its sequence: live context and charge, or swapped-out snapshot; its size
     queue: deque[Turn] = field(default_factory=deque)
-    live: ChargedContext | None = None  # its live context and that context's ledger charge
-    snapshot: Snapshot | None = None
     transcript: list[int] = field(default_factory=list)
     kv_tokens: int = 0
     keep: int | None = None  # shift: resolved from the policy at the first turn
@@ -153,7 +152,22 @@ class Agent:
     @property
     def context(self) -> Context | None:
         """The live context (``None``: swapped out or cold)."""
-        return self.live.ctx if self.live is not None else None
+        return self.kv.ctx
+
+    @property
+    def snapshot(self) -> Snapshot | None:
+        """Its swapped-out history (``None``: live, cold, or draining)."""
+        return self.kv.snapshot
+
+    @property
+    def n_ctx(self) -> int:
+        """Cells of its context (the one it has, or the next one it will get)."""
+        return self.kv.n_ctx
+
+    @property
+    def context_bytes(self) -> int:
+        """What its context is (or will be) charged."""
+        return self.kv.nbytes
 
     @property
     def state(self) -> str:

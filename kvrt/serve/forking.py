@@ -17,7 +17,6 @@ from kvrt.serve.agent import Agent
 from kvrt.serve.membership import check_feasible
 from kvrt.serve.residency import Switch
 from kvrt.serve.results import AgentExists, Forked
-from kvrt.state.snapshot import Snapshot
 
 if TYPE_CHECKING:
     from kvrt.serve.scheduler import Scheduler
@@ -30,13 +29,10 @@ def fork(sched: Scheduler, source_id: str, agent_id: str) -> Forked:
         raise AgentExists(f"agent {agent_id!r} is already registered")
     check_feasible(sched, agent_id, source.context_bytes)
     sched.residency.activate(source, Switch())  # a swapped-out source is restored, then copied from its context
-    assert source.context is not None
-    snapshot = (Snapshot.capture(source.context, 0, tier="host", pool=sched.pool,
-                                 tokens=source.transcript[:source.kv_tokens])
-                if source.kv_tokens > 0 else None)
+    kv = sched.residency.context_for(source.entry, agent_id, source.n_ctx)
+    kv.snapshot = source.kv.capture(source.transcript[:source.kv_tokens])
     sched.registry.acquire(source.entry.path)  # one more reference; cannot be refused, it is resident
-    agent = Agent(agent_id, source.entry, source.policy, source.n_ctx, source.context_bytes, snapshot=snapshot,
-                  transcript=list(source.transcript), kv_tokens=source.kv_tokens, keep=source.keep,
-                  served_tokens=source.served_tokens)
+    agent = Agent(agent_id, source.entry, source.policy, kv, transcript=list(source.transcript),
+                  kv_tokens=source.kv_tokens, keep=source.keep, served_tokens=source.served_tokens)
     sched.add(agent)
     return Forked(agent_id, source_id, agent.held_tokens)

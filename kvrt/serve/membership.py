@@ -30,14 +30,15 @@ def admit(sched: Scheduler, agent_id: str, model_path: str | os.PathLike[str], p
     shape, weight_bytes = sched.registry.peek(model_path)
     context_bytes = context_estimate(shape, n_ctx, sched.n_ubatch).total_bytes
     check_feasible(sched, agent_id, weight_bytes + context_bytes)
-    return Agent(agent_id, sched.registry.acquire(model_path), policy, n_ctx, context_bytes)
+    entry = sched.registry.acquire(model_path)
+    return Agent(agent_id, entry, policy, sched.residency.context_for(entry, agent_id, n_ctx))
 
 
 def check_feasible(sched: Scheduler, agent_id: str, request_bytes: int) -> None:
     """Refuse an agent that could never run: even with every context swapped out (and every staging
     context given back) ``request_bytes`` more do not fit."""
     snap = sched.ledger.snapshot()
-    evictable = sum(a.live.charge.nbytes for a in sched._agents.values() if a.live is not None and a.live.charge)
+    evictable = sum(a.context_bytes for a in sched._agents.values() if a.context is not None)
     evictable += sched.prefetcher.held_bytes if sched.prefetcher is not None else 0
     if snap.allocated_bytes - evictable + snap.external_bytes + request_bytes > snap.max_bytes:
         raise LedgerDenied(owner=f"agent:{agent_id}", max_bytes=snap.max_bytes, allocated_bytes=snap.allocated_bytes,
@@ -52,8 +53,5 @@ def teardown(sched: Scheduler, agent: Agent, error: SchedulerError) -> None:
         sched.prefetcher.drop(agent)  # before its snapshot goes: a staged copy may still read it
         if not any(a.entry is agent.entry for a in sched._agents.values() if a is not agent):
             sched.prefetcher.forget(agent.entry)
-    sched.residency.free(agent)
-    if agent.snapshot is not None:
-        agent.snapshot.release()
-        agent.snapshot = None
+    agent.kv.close()
     sched.registry.release(agent.entry)

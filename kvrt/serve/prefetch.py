@@ -84,7 +84,8 @@ class Prefetcher:
         stager = self._stagers.get(key)
         if stager is None:
             res = self.residency
-            stager = KVStager(agent.entry.model, res.params(agent.n_ctx), res.ledger, max_contexts=STAGING_CONTEXTS,
+            stager = KVStager(agent.entry.model, agent.kv.params_for(agent.n_ctx), res.ledger,
+                              max_contexts=STAGING_CONTEXTS,
                               context_bytes=agent.context_bytes, host_pool=res.pool,
                               name=f"{agent.entry.path.name}@{agent.n_ctx}")
             self._stagers[key] = stager
@@ -119,19 +120,18 @@ class Prefetcher:
                 pass
         live = [a for a in self.residency.agents.values()
                 if a.context is not None and a is not running and a.entry is agent.entry and a.n_ctx == agent.n_ctx
-                and a.kv_tokens > 0 and a.live is not None and a.live.charge is not None]
+                and a.kv_tokens > 0 and a.kv.live is not None and a.kv.live.charge is not None]
         victim = min(live, key=lambda a: a.last_used, default=None)
         if victim is None:
             raise StagingError(f"no room for a staging context of {stager.name} and no live agent of that shape "
                                "to swap out ahead")
-        assert victim.live is not None and victim.live.charge is not None
         victim.check()
-        ctx = victim.live.ctx
-        stager.adopt(ctx, victim.live.charge)
-        pending = stager.swap_out_async(ctx, tokens=victim.transcript[:victim.kv_tokens])
-        victim.live = None
+        live = victim.kv.detach()
+        assert live.charge is not None
+        stager.adopt(live.ctx, live.charge)
+        pending = stager.swap_out_async(live.ctx, tokens=victim.transcript[:victim.kv_tokens])
         victim.draining = pending
-        self._drains.append(_Drain(victim, stager, ctx, pending, agent.agent_id))
+        self._drains.append(_Drain(victim, stager, live.ctx, pending, agent.agent_id))
 
     def take(self, agent: Agent, switch: Switch) -> bool:
         """Make ``agent`` live in its staged context (with its charge); False: it is not staged, or the copy failed."""
@@ -151,16 +151,14 @@ class Prefetcher:
             stager.trim()
             self.counts.fallbacks += 1
             return False
-        ctx, reservation = stager.detach(staged)
-        self.residency.ledger.transfer(reservation, f"agent:{agent.agent_id}")
-        agent.live, agent.context_bytes = ChargedContext(ctx, reservation, 0.0), reservation.nbytes
-        record = handle.record
-        assert record is not None and agent.snapshot is not None
+        agent.kv.adopt(ChargedContext(*stager.detach(staged), 0.0))
+        record, snapshot = handle.record, agent.kv.snapshot
+        assert record is not None and snapshot is not None
         switch.restored = True
         switch.in_bytes += record.nbytes
         switch.in_ms += record.exposed_ms
-        agent.snapshot.release()
-        agent.snapshot = None
+        agent.kv.snapshot = None  # the staged context holds the history now
+        snapshot.release()
         self.counts.activations += 1
         return True
 
@@ -173,11 +171,9 @@ class Prefetcher:
             victim = drain.agent
             victim.draining = None
             try:
-                victim.snapshot = drain.pending.result()
+                victim.kv.snapshot = drain.pending.result()
             except StagingError as exc:  # the capture failed: the agent is still in its context, take it back
-                ctx, reservation = drain.stager.detach(drain.ctx)
-                self.residency.ledger.transfer(reservation, f"agent:{victim.agent_id}")
-                victim.live = ChargedContext(ctx, reservation, 0.0)
+                victim.kv.adopt(ChargedContext(*drain.stager.detach(drain.ctx), 0.0))
                 log.warning("agent %r: early swap-out failed, it stays live: %s", victim.agent_id, exc)
                 continue
             self.counts.early_evictions += 1

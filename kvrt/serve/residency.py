@@ -1,10 +1,11 @@
 """Which agents' contexts are live on the device: activation, growth, eviction and KV swap.
 
-An agent runs in a live context charged to the ledger. When its context does not fit,
-the least recently used live agent is swapped out: its sequence state is captured into
-the (pinned) host pool with :class:`kvrt.state.snapshot.Snapshot` and its context freed
-or, when the incoming agent has the same model and size, handed over as it is (creating
-a context costs about as much as the restore). A growing agent moves its state into a
+An agent runs in a live context charged to the ledger (its
+:class:`~kvrt.state.agent_context.AgentContext`: the mechanism; this module is the policy).
+When its context does not fit, the least recently used live agent is swapped out: its
+sequence state is captured into the (pinned) host pool and its context freed or, when the
+incoming agent has the same model and size, handed over as it is (creating a context
+costs about as much as the restore). A growing agent moves its state into a
 larger context the same way; a refused growth leaves it swapped out at its old size. All
 of it runs on the scheduler's worker thread.
 """
@@ -16,13 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvrt.accounting.estimate import DeviceMeter, context_estimate
+from kvrt.accounting.estimate import DeviceMeter
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.context import ContextParams
 from kvrt.serve.agent import Agent
+from kvrt.serve.registry import LoadedModel
+from kvrt.state.agent_context import AgentContext
 from kvrt.state.hostpool import HostPool
-from kvrt.state.sized_context import ChargedContext
-from kvrt.state.snapshot import Snapshot
 
 if TYPE_CHECKING:
     from kvrt.serve.prefetch import Prefetcher
@@ -61,41 +62,43 @@ class Residency:
         self.on_evict = on_evict
         self.prefetcher: Prefetcher | None = None
 
+    def context_for(self, entry: LoadedModel, agent_id: str, n_ctx: int) -> AgentContext:
+        """A new agent's (not yet opened) context of ``n_ctx`` cells, charged to ``agent:<id>`` once opened."""
+        params = ContextParams(n_ctx=n_ctx, n_batch=self.n_ubatch, n_ubatch=self.n_ubatch, n_threads=self.n_threads,
+                               flash_attn=self.flash_attn)
+        return AgentContext(entry.model, entry.shape, params, self.ledger, f"agent:{agent_id}", n_ctx, pool=self.pool)
+
     def prepare(self, agent: Agent, size: int, switch: Switch) -> None:
         """Make ``agent`` live in a context of at least ``size`` cells (growing moves its state; a
         refused growth leaves it swapped out at its old size, its state kept)."""
-        if agent.context is not None and agent.n_ctx >= size:
+        kv = agent.kv
+        if kv.live is not None and kv.n_ctx >= size:
             return
-        if agent.context is not None:  # grow: move the state out, then into a larger context
+        if kv.live is not None:  # grow: move the state out, then into a larger context
             self.swap_out(agent, switch, record=False)
-            self.free(agent)
-        old = agent.n_ctx, agent.context_bytes
-        if size != agent.n_ctx:
-            agent.n_ctx, agent.context_bytes = size, self.estimate(agent, size)
+            kv.free()
+        old = kv.n_ctx, kv.nbytes
+        kv.set_size(size)
         try:
             self.activate(agent, switch)
         except BaseException:
-            if agent.context is None:
-                agent.n_ctx, agent.context_bytes = old
+            if kv.live is None:
+                kv.n_ctx, kv.nbytes = old
             raise
         agent.check()
 
-    def estimate(self, agent: Agent, n_ctx: int) -> int:
-        return context_estimate(agent.entry.shape, n_ctx, self.n_ubatch).total_bytes
-
     def activate(self, agent: Agent, switch: Switch) -> None:
         """Give ``agent`` a live context holding its history, evicting LRU agents as needed."""
-        if agent.context is not None:
+        kv = agent.kv
+        if kv.live is not None:
             return
         agent.persisted = False  # it is about to change: the saved state stops being current
         if self.prefetcher is not None and self.prefetcher.take(agent, switch):
             return
-        owner = f"agent:{agent.agent_id}"
-        while agent.context is None:
+        while kv.live is None:
             meter = DeviceMeter()
             try:
-                live = ChargedContext.open(agent.entry.model, self.params(agent.n_ctx), self.ledger,
-                                           agent.context_bytes, owner)
+                live = kv.open()
             except LedgerDenied:
                 victim = self._lru_victim(agent)
                 if victim is None:
@@ -104,45 +107,28 @@ class Residency:
                     raise
                 self.swap_out(victim, switch)
                 if self._compatible(victim, agent):  # hand the live context over instead of re-creating it
-                    agent.live, victim.live = victim.live, None
-                    assert agent.live is not None and agent.live.charge is not None  # a live context is charged
-                    self.ledger.transfer(agent.live.charge, owner)
-                    agent.context_bytes = agent.live.charge.nbytes  # the handed-over charge, measured or not
+                    kv.adopt(victim.kv.detach())
                 else:
-                    self.free(victim)
+                    victim.kv.free()
                 continue
-            agent.live = live
             switch.context_ms = live.create_s * 1e3
-            self._correct(agent, meter.delta())
-        if agent.snapshot is not None:
-            t0 = time.perf_counter()
-            try:
-                agent.snapshot.restore(agent.context, 0)
-            except BaseException:
-                self.free(agent)  # the history stays in the snapshot for the next attempt
-                raise
+            self._correct(kv, meter.delta())
+        t0 = time.perf_counter()
+        restored = kv.swap_in()  # a failure frees the context and keeps the snapshot for the next attempt
+        if restored:
             switch.in_ms += (time.perf_counter() - t0) * 1e3
-            switch.in_bytes += agent.snapshot.nbytes
+            switch.in_bytes += restored
             switch.restored = True
-            agent.snapshot.release()
-            agent.snapshot = None
-        else:
-            agent.context.clear()
 
-    def _correct(self, agent: Agent, measured: int | None) -> None:
+    def _correct(self, kv: AgentContext, measured: int | None) -> None:
         """Replace the derived context estimate with what creating it took, where measurable."""
-        if measured is None or agent.live is None or agent.live.charge is None:
+        if measured is None or kv.live is None or kv.live.charge is None:
             return
         try:
-            self.ledger.resize(agent.live.charge, measured)
-            agent.context_bytes = measured
+            self.ledger.resize(kv.live.charge, measured)
+            kv.nbytes = measured
         except LedgerDenied:
             pass  # more than estimated and the rest is taken: keep the estimate; STATUS drift shows it
-
-    def params(self, n_ctx: int) -> ContextParams:
-        batch = min(self.n_ubatch, n_ctx)
-        return ContextParams(n_ctx=n_ctx, n_batch=batch, n_ubatch=batch, n_threads=self.n_threads,
-                             flash_attn=self.flash_attn)
 
     @staticmethod
     def _compatible(victim: Agent, agent: Agent) -> bool:
@@ -155,22 +141,13 @@ class Residency:
         return min(compatible or live, key=lambda a: a.last_used, default=None)
 
     def swap_out(self, victim: Agent, switch: Switch, *, record: bool = True) -> None:
-        """Capture the victim's KV into the host pool and empty its sequence."""
+        """Capture the victim's KV into the host pool and empty its sequence (its context stays live)."""
         assert victim.context is not None
         victim.check()
         if victim.kv_tokens > 0:
             t0 = time.perf_counter()
-            victim.snapshot = Snapshot.capture(victim.context, 0, tier="host", pool=self.pool,
-                                               tokens=victim.transcript[:victim.kv_tokens])
+            switch.out_bytes += victim.kv.swap_out(victim.transcript[:victim.kv_tokens])
             switch.out_ms += (time.perf_counter() - t0) * 1e3
-            switch.out_bytes += victim.snapshot.nbytes
-            victim.context.clear()
         if record:
             self.on_evict(victim)
             switch.evicted.append(victim.agent_id)
-
-    def free(self, agent: Agent) -> None:
-        """Close the agent's live context and give its charge back (its history stays in its snapshot, if any)."""
-        if agent.live is not None:
-            live, agent.live = agent.live, None
-            live.close(self.ledger)

@@ -19,7 +19,6 @@ from kvrt.serve.membership import admit
 from kvrt.serve.registry import LoadedModel
 from kvrt.serve.results import check_agent_id
 from kvrt.state.agentstore import AgentRecord, StateFileError, StateProblem
-from kvrt.state.snapshot import Snapshot
 
 if TYPE_CHECKING:
     from kvrt.serve.scheduler import Scheduler
@@ -33,17 +32,16 @@ def persist(sched: Scheduler, agent: Agent) -> None:
     store = sched.store
     if store is None or agent.persisted:
         return
-    live = agent.context if agent.snapshot is None and agent.context is not None and agent.kv_tokens > 0 else None
+    live = agent.snapshot is None and agent.context is not None
     try:
-        snapshot = (Snapshot.capture(live, 0, tier="host", pool=sched.pool, tokens=agent.transcript[:agent.kv_tokens])
-                    if live is not None else agent.snapshot)
+        snapshot = agent.kv.capture(agent.transcript[:agent.kv_tokens]) if live else agent.snapshot
         try:
             record = AgentRecord(agent.agent_id, str(agent.entry.path), agent.entry.model.fingerprint, agent.n_ctx,
                                  agent.kv_tokens, agent.served_tokens, tuple(agent.transcript),
                                  agent.policy.as_record(), agent.keep)
             store.save(record, snapshot)
         finally:
-            if live is not None and snapshot is not None:
+            if live and snapshot is not None:
                 snapshot.release()
     except (KvrtError, OSError) as exc:
         log.warning("agent %r: state not saved to %s: %s", agent.agent_id, store.directory, exc)
@@ -103,7 +101,7 @@ def _restore(sched: Scheduler, record: AgentRecord) -> None:
     agent = admit(sched, record.agent_id, record.model_path, record_policy(record), record.n_ctx)
     try:
         check_model(record, agent.entry)
-        agent.snapshot = store.load_snapshot(record, sched.pool)
+        agent.kv.snapshot = store.load_snapshot(record, sched.pool)
     except BaseException:
         sched.registry.release(agent.entry)
         raise
