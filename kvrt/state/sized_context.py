@@ -1,7 +1,7 @@
 """One sequence's llama.cpp context, charged to the ledger before it exists, and the sizes it may have.
 
-What the per-agent scheduler's agents (:mod:`kvrt.serve.agent`, :mod:`kvrt.serve.residency`)
-and elastic contexts (:mod:`kvrt.memory.elastic_context`) share:
+What an agent's context (:mod:`kvrt.state.agent_context`, held by the scheduler's agents and
+by elastic contexts) is built from:
 
 * :class:`ChargedContext`: a context and the ledger charge taken for it *before* it was
   created (a refusal creates nothing; a failed creation gives the charge back), closed
