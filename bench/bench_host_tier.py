@@ -3,12 +3,16 @@
 Run: ``pytest bench/bench_host_tier.py --benchmark-enable`` (plain ``pytest`` runs each once
 as a test). The model is a generated tiny F32 llama unless ``KVRT_BENCH_MODEL`` names a
 GGUF (e.g. the demo model); ``KVRT_BENCH_DOC_TOKENS`` sets the history's length (default
-512). Both benchmarks put the same history into an empty slot of one unified-KV context,
-through :meth:`kvrt.engine.prefix_cache.PrefixCache.restore` (what a returning agent costs
-with the tier) or a prefill (what it costs without); each checks the slot holds the
-history and continues with the token the original did. The physical ideal, in the same
-run: a memcpy of the state's bytes between two warm host buffers (a restore that beat it
-would be a bug in the benchmark).
+512), ``KVRT_BENCH_FLASH_ATTN`` the context's flash attention (default ``off``). Every
+benchmark puts the same history into an empty slot of one unified-KV context, through
+:meth:`kvrt.engine.prefix_cache.PrefixCache.restore` (what a returning agent costs with
+the tier) from the tier's own copy (a :class:`kvrt.state.hostpool.HostPool` buffer, as the
+batched server allocates it: pinned on a GPU machine) and from a NumPy copy (pageable), or
+by a prefill (what it costs without); each checks the slot holds the history and continues
+with the token the original did. The physical ideal, in the same run: the state's bytes
+copied once from the tier's buffer to where a restore puts them (a pinned host-to-device
+copy through CuPy where a GPU is usable, else a memcpy between two warm host buffers); a
+restore that beat it would be a bug in the benchmark.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ from kvrt_bench.fanout import fox_document
 
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import prefill
-from kvrt.engine.host_tier import HostTier
+from kvrt.engine.host_tier import HostEntry, HostTier, numpy_block
 from kvrt.engine.model import Model
 from kvrt.engine.prefix_cache import PrefixCache
+from kvrt.state.hostpool import HostPool
+from kvrt.system.gpu import cupy_usable
 
 DOC_TOKENS = int(os.environ.get("KVRT_BENCH_DOC_TOKENS", "512"))
+FLASH_ATTN = os.environ.get("KVRT_BENCH_FLASH_ATTN", "off")
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +40,9 @@ def cache(model: Model):
     """A two-slot cache whose host tier holds the history evicted from slot 0, and the history's next token."""
     doc = fox_document(model, DOC_TOKENS)
     params = ContextParams(n_ctx=-(-(2 * DOC_TOKENS + 64) // 256) * 256, n_seq_max=2, kv_unified=True,
-                           flash_attn="off")
+                           flash_attn=FLASH_ATTN)
     with Context(model, params) as ctx:
-        cache = PrefixCache(ctx, HostTier(1 << 34))
+        cache = PrefixCache(ctx, HostTier(1 << 34, alloc=HostPool().acquire))
         slot = cache.claim()
         assert slot is not None
         prefill(ctx, doc, seq_id=slot, logits_last=False)
@@ -82,7 +89,17 @@ def test_returning_history_restored_from_the_host_tier(benchmark, cache):
     tier, doc, expected = cache
     entry, _ = tier.host_prefix(doc)
     benchmark.extra_info["state_bytes"] = int(entry.state.nbytes)
+    benchmark.extra_info["pinned"] = bool(getattr(entry.block, "pinned", False))
     _bench(benchmark, tier, doc, expected, lambda slot: tier.restore(slot, entry, len(doc)) or pytest.fail("refused"))
+
+
+def test_returning_history_restored_from_a_numpy_copy(benchmark, cache):
+    tier, doc, expected = cache
+    entry, _ = tier.host_prefix(doc)
+    pageable = HostEntry(entry.tokens, numpy_block(entry.nbytes), entry.nbytes)
+    np.copyto(pageable.state, entry.state)
+    benchmark.extra_info["state_bytes"] = int(entry.nbytes)
+    _bench(benchmark, tier, doc, expected, lambda slot: tier.restore(slot, pageable, len(doc)) or pytest.fail("refused"))
 
 
 def test_returning_history_prefilled_again(benchmark, cache):
@@ -95,10 +112,24 @@ def test_returning_history_prefilled_again(benchmark, cache):
     _bench(benchmark, tier, doc, expected, fill)
 
 
-def test_ideal_memcpy_of_the_state(benchmark, cache):
+def test_ideal_copy_of_the_state(benchmark, cache):
     tier, doc, _ = cache
     entry, _ = tier.host_prefix(doc)
-    target = np.empty_like(entry.state)
     benchmark.extra_info["state_bytes"] = int(entry.state.nbytes)
-    benchmark.pedantic(lambda: np.copyto(target, entry.state), rounds=5, iterations=1, warmup_rounds=1)
-    assert np.array_equal(target, entry.state)
+    if cupy_usable():
+        import cupy
+
+        target = cupy.empty(entry.nbytes, dtype=cupy.uint8)
+
+        def copy() -> None:
+            target.set(entry.state)
+            cupy.cuda.Device().synchronize()
+
+        benchmark.extra_info["ideal"] = "pinned host-to-device copy (CuPy)"
+        benchmark.pedantic(copy, rounds=5, iterations=1, warmup_rounds=1)
+        assert np.array_equal(target.get(), entry.state)
+    else:
+        host = np.empty_like(entry.state)
+        benchmark.extra_info["ideal"] = "host memcpy"
+        benchmark.pedantic(lambda: np.copyto(host, entry.state), rounds=5, iterations=1, warmup_rounds=1)
+        assert np.array_equal(host, entry.state)

@@ -10,9 +10,10 @@
 # Knobs: DEADLINE_S=N (seconds from the start): every step's time limit is cut to what is left before it
 # (minus PACK_MARGIN_S, default 15), steps with no time left are skipped, so results.tgz is always written
 # inside the call's limit. SKIP_STEP="name ..." skips those step scripts, SKIP_STEPS=1 all of them, SKIP_BASICS=1 the
-# import-order probe and the llama.cpp GPU tests. The CUDA build cannot travel back to skip the
-# ~250 s build next time: xz -6 makes it 116 MB, over what a call carries. A cold machine runs
-# `all` within one call's 600 s only with steps trimmed (SKIP_STEP, AGENT_PARTS, FORK_SWEEP_N).
+# import-order probe and the llama.cpp GPU tests (GPU_TESTS: their files; GPU_MARK= runs all of their tests,
+# not only -m gpu). The CUDA build cannot travel back to skip the ~250 s build next time: xz -6 makes it
+# 116 MB, over what a call carries. A cold machine runs `all` within one call's 600 s
+# only with steps trimmed (SKIP_STEP, AGENT_PARTS, FORK_SWEEP_N).
 set -uo pipefail
 phase=${1:-all}
 ROOT=$(pwd)
@@ -94,8 +95,9 @@ case "$phase" in
 esac
 if [ -z "${SKIP_BASICS:-}" ]; then   # import-order probe and the llama.cpp GPU tests
   python3 tools/probe_import_order.py > "$RESULTS/import-order.log" 2>&1; note "import-order probe: $(tail -n 3 "$RESULTS/import-order.log" | tr '\n' ' ')"
-  timeout "$(step_limit)" python3 tools/pytest_llama_first.py -m gpu -p no:cacheprovider --continue-on-collection-errors -q -rs ${GPU_TESTS:-tests/test_gpu_foundation.py tests/test_snapshot.py} > "$RESULTS/pytest-gpu.log" 2>&1
-  note "pytest -m gpu: rc=$? $(tail -n 1 "$RESULTS/pytest-gpu.log")"
+  marks=(-m "${GPU_MARK-gpu}"); [ -n "${GPU_MARK-gpu}" ] || marks=()   # GPU_MARK= runs every test of GPU_TESTS
+  timeout "$(step_limit)" python3 tools/pytest_llama_first.py "${marks[@]}" -p no:cacheprovider --continue-on-collection-errors -q -rs ${GPU_TESTS:-tests/test_gpu_foundation.py tests/test_snapshot.py} > "$RESULTS/pytest-gpu.log" 2>&1
+  note "pytest ${marks[*]}: rc=$? $(tail -n 1 "$RESULTS/pytest-gpu.log")"
 fi
 [ -n "${SKIP_STEPS:-}" ] || run_steps late
 pack

@@ -38,7 +38,7 @@ from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.decode_step import Feed, fill, greedy_picks
 from kvrt.engine.generation import GenerationParams
-from kvrt.engine.host_tier import HostTier
+from kvrt.engine.host_tier import HostAllocator, HostTier, numpy_block
 from kvrt.engine.live import Choice, Live
 from kvrt.engine.model import Model
 from kvrt.engine.prefix_cache import PrefixCache, common_prefix
@@ -74,16 +74,21 @@ class _Row:
 
 
 class Engine:
-    """Continuous batching over one model (see the module docstring); use as a context manager."""
+    """Continuous batching over one model (see the module docstring); use as a context manager.
+
+    ``host_alloc`` provides the host tier's memory (``config.host_bytes`` of it at most).
+    """
 
     def __init__(self, model: Model, config: EngineConfig | None = None, *,
-                 before_step: Callable[[], None] | None = None, **overrides: Any) -> None:
+                 before_step: Callable[[], None] | None = None, host_alloc: HostAllocator = numpy_block,
+                 **overrides: Any) -> None:
         self.config = replace(config or EngineConfig(), **overrides)
         self.model = model
         self.before_step = before_step
         self.ctx = Context(model, self.config.context_params())
         try:
-            self.cache = PrefixCache(self.ctx, HostTier(self.config.host_bytes) if self.config.host_bytes else None)
+            tier = HostTier(self.config.host_bytes, alloc=host_alloc) if self.config.host_bytes else None
+            self.cache = PrefixCache(self.ctx, tier)
             self.batch = Batch(self.ctx.n_batch)
         except BaseException:
             self.ctx.close()
@@ -157,6 +162,8 @@ class Engine:
         self._fail_all(EngineClosed("the engine was closed"))
         self.batch.close()
         self.ctx.close()
+        if self.cache.host is not None:
+            self.cache.host.clear()
 
     def __enter__(self) -> Engine:
         return self

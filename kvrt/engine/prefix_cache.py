@@ -235,12 +235,17 @@ class PrefixCache:
     def _copy_to_host(self, slot: int) -> None:
         assert self.host is not None
         try:
-            state = np.empty(self.ctx.seq_state_size(slot), dtype=np.uint8)
-            written = self.ctx.seq_state_get(slot, state)
-        except KvrtError as exc:  # e.g. a sliding-window cache that no longer holds the whole prefix
+            block = self.host.alloc(self.ctx.seq_state_size(slot))
+        except KvrtError as exc:  # the allocator's limit
             log.debug("slot %d not copied to the host tier: %s", slot, exc)
             return
-        self.host.put(self._tokens[slot], state[:written])
+        try:
+            written = self.ctx.seq_state_get(slot, block.view)
+        except KvrtError as exc:  # e.g. a sliding-window cache that no longer holds the whole prefix
+            block.release()
+            log.debug("slot %d not copied to the host tier: %s", slot, exc)
+            return
+        self.host.put(self._tokens[slot], block, written)
 
     def _forget(self, cells: Iterable[int]) -> None:
         for cell in cells:

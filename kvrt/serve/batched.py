@@ -69,6 +69,7 @@ from kvrt.serve.results import (
 )
 from kvrt.serve.service import HISTORY, AgentService, TextFn
 from kvrt.state.agentstore import AgentStore, StateProblem
+from kvrt.state.hostpool import HostPool
 
 log = logging.getLogger("kvrt.serve.batched")
 
@@ -139,6 +140,7 @@ class BatchedScheduler(AgentService[_Agent]):
         self._owns_registry = registry is None
         self.config = config or BatchConfig()
         self._pools: dict[Path, _Pool] = {}
+        self._host = HostPool(max_cached_bytes=self.config.host_bytes)  # pinned on a GPU machine: fast restores
         self._agents: dict[str, _Agent] = {}
         self._lock = threading.RLock()
         self._history: deque[RequestMetrics] = deque(maxlen=HISTORY)
@@ -182,7 +184,7 @@ class BatchedScheduler(AgentService[_Agent]):
             self.registry.release(entry)
             raise
         try:
-            engine = Engine(entry.model, self.config.engine())
+            engine = Engine(entry.model, self.config.engine(), host_alloc=self._host.acquire)
         except BaseException:
             self.ledger.release(reservation)
             self.registry.release(entry)
