@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from test_scheduler import charge_estimates
 
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
@@ -13,6 +14,12 @@ from kvrt.serve.results import ContextFull, InvalidArgument
 from kvrt.serve.scheduler import Scheduler
 
 TURN = " the quick brown fox jumps over the lazy dog and"
+
+
+@pytest.fixture(autouse=True)
+def _estimated_charges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ledgers here are sized from the header's estimates, so they must charge those on a GPU too."""
+    charge_estimates(monkeypatch)
 
 
 def test_refuse_names_the_numbers_and_changes_nothing(tiny_model_path):
