@@ -192,7 +192,8 @@ def main() -> None:
             ctx.synchronize()
             pool = HostPool()
             snap = Snapshot.capture(ctx, 0, pool=pool)
-            blob = snap._buffer.view  # the probe reads the bytes llama.cpp reads
+            with snap.store.host_bytes(snap.identity) as blob:  # the probe reads the bytes llama.cpp reads
+                pass  # a host store's view: the buffer itself, alive until the snapshot is released
             spans = tensor_spans(blob)
 
             def restore() -> None:
