@@ -50,8 +50,6 @@ from kvrt.engine.requests import (
     Request,
     RequestStream,
     RequestTooLarge,
-    TokenEvent,
-    token_logprobs,
 )
 from kvrt.engine.sampling import Sampler
 from kvrt.errors import DecodeError, KvrtError
@@ -360,20 +358,7 @@ class Engine:
 
     def _pick(self, live: Live, choice: Choice, row: int, greedy: dict[int, int]) -> None:
         token = greedy[row] if choice.sampler.plain_greedy else choice.sampler.sample(self.ctx, row)
-        if token in live.request.stop_token_ids:
-            choice.ended_by = token
-            live.finish(choice, "stop", self.cache)
-            return
-        k = live.request.logprobs
-        logprob = token_logprobs(self.ctx.logits(row), token, k) if k is not None else None
-        done = choice.stream.accept(token)
-        choice.ended_by = choice.stream.eog_token
-        if choice.stream.finish_reason != "eog":
-            live.stream.push(TokenEvent(choice.index, token, choice.release(), logprob))
-        if done:
-            live.finish(choice, choice.stream.finish_reason or "length", self.cache)
-        else:
-            choice.pending = token
+        live.accept(choice, token, lambda: self.ctx.logits(row), self.cache)
 
     # -- endings ----------------------------------------------------------------------
     def _finish_all(self, live: Live, reason: str, error: KvrtError | None = None) -> None:

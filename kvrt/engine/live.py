@@ -9,12 +9,14 @@ logits row and then decodes one token per engine step in its own slot.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvrt.engine.generation import SequenceStream
 from kvrt.engine.prefix_cache import PrefixCache
-from kvrt.engine.requests import ChoiceEnd, Request, RequestEnd, RequestStream
+from kvrt.engine.requests import ChoiceEnd, Request, RequestEnd, RequestStream, TokenEvent, token_logprobs
 from kvrt.engine.sampling import Sampler
 from kvrt.errors import KvrtError
 
@@ -90,6 +92,25 @@ class Live:
         cache.release(choice.slot)
         self.stream.push(ChoiceEnd(choice.index, reason, choice.stream.text, tuple(choice.stream.tokens),
                                    choice.rest(), choice.ended_by))
+
+    def accept(self, choice: Choice, token: int, logits: Callable[[], np.ndarray], cache: PrefixCache) -> None:
+        """``choice`` sampled ``token``: it is streamed and decoded next, or it ends the choice (a stop token
+        id, end of generation, a stop string or ``max_tokens``). ``logits`` gives the row it was sampled from,
+        read only when the request asked for logprobs."""
+        if token in self.request.stop_token_ids:
+            choice.ended_by = token
+            self.finish(choice, "stop", cache)
+            return
+        k = self.request.logprobs
+        logprob = token_logprobs(logits(), token, k) if k is not None else None
+        done = choice.stream.accept(token)
+        choice.ended_by = choice.stream.eog_token
+        if choice.stream.finish_reason != "eog":
+            self.stream.push(TokenEvent(choice.index, token, choice.release(), logprob))
+        if done:
+            self.finish(choice, choice.stream.finish_reason or "length", cache)
+        else:
+            choice.pending = token
 
     def finish_all(self, reason: str, cache: PrefixCache) -> None:
         """Every choice still running is over (a pin's slot is released)."""

@@ -14,8 +14,10 @@ transcript + prompt; the engine's prefix cache finds the cells the agent's previ
 left (all of its transcript but the last sampled token) and prefills only the rest, so
 the agent's KV is always its transcript. A fork is a copy of the transcript whose first
 turn shares the parent's cells with ``seq_cp``. When cells run short the least recently
-used agent's cells are dropped and its next turn prefills its transcript again: exact,
-and the only copy made. One agent's turns run one after another, in order.
+used agent's cells are evicted: copied to the engine's host tier (``BatchConfig.host_bytes``,
+pinned memory from a :class:`kvrt.state.hostpool.HostPool`) while it has room, so its next
+turn restores them; otherwise that turn prefills its transcript again. Either way exact.
+One agent's turns run one after another, in order.
 
 Context policies: ``refuse`` and ``grow`` refuse a turn past the agent's ``n_ctx`` (in a
 shared pool an agent only ever holds the cells its tokens use, plus its running turn's
@@ -42,14 +44,7 @@ from kvrt.checks import prompt_tokens
 from kvrt.engine.admission import EngineConfig
 from kvrt.engine.batching import Engine
 from kvrt.engine.generation import GenerationParams
-from kvrt.engine.requests import (
-    ChoiceEnd,
-    EngineStats,
-    Request,
-    RequestEnd,
-    RequestStream,
-    TokenEvent,
-)
+from kvrt.engine.requests import ChoiceEnd, EngineStats, Request, RequestEnd, RequestStream, TokenEvent
 from kvrt.engine.sampling import SamplingParams
 from kvrt.serve.agent import ContextPolicy
 from kvrt.serve.batched_store import restore_all, save_all
