@@ -85,7 +85,8 @@ def _check_layout(lib: Any) -> None:
 
 
 @cache
-def _open() -> tuple[Any, Any]:
+def _open() -> tuple[Any, Any, bool]:
+    """The mapped libllama and libggml, and whether NumPy was imported before them."""
     directory = library_dir()
     numpy_first = "numpy" in sys.modules
     # ggml-base first: libllama's own dependency lookup then finds the copy already mapped.
@@ -96,14 +97,7 @@ def _open() -> tuple[Any, Any]:
     except OSError as exc:
         raise LibraryError(f"cannot open llama.cpp libraries in {directory}: {exc}") from exc
     _check_layout(llama)
-    if numpy_first and llama.llama_supports_gpu_offload():
-        warnings.warn(
-            "llama.cpp (a GPU build) was loaded after NumPy; on the H200 machine that order segfaulted "
-            "in model loading. Import kvrt before numpy (tools/probe_import_order.py checks a machine).",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return llama, ggml_lib
+    return llama, ggml_lib, numpy_first
 
 
 def llama() -> Any:
@@ -118,7 +112,22 @@ def ggml() -> Any:
 
 @cache
 def _initialised() -> tuple[Any, Any]:
+    """Map the libraries, route their log into Python's before any call that may log, initialise the backend.
+
+    The log hook goes first because the backend registry logs when it is first touched (a CUDA
+    build names its devices), and that would otherwise reach stderr past kvrt's logger.
+    """
+    from kvrt.bindings._log import install  # the hook module needs this one: imported here, not at the top
+
     with _init_lock:
-        lib, ggml_lib = _open()
+        lib, ggml_lib, numpy_first = _open()
+        install(lib)
         lib.llama_backend_init()
+        if numpy_first and lib.llama_supports_gpu_offload():
+            warnings.warn(
+                "llama.cpp (a GPU build) was loaded after NumPy; on the H200 machine that order segfaulted "
+                "in model loading. Import kvrt before numpy (tools/probe_import_order.py checks a machine).",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return lib, ggml_lib

@@ -31,20 +31,20 @@ class _Hook:
     and :func:`capture` re-installs the hook, chaining again, if something replaced it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
         self.callback = ffi.callback("void(int, const char *, void *)", self._on_log)
         self.previous: tuple[Any, Any] = (ffi.NULL, ffi.NULL)
         self.default = self._llama_default()
 
-    @staticmethod
-    def _llama_default() -> Any:
+    def _llama_default(self) -> Any:
         """llama.cpp's own stderr printer, which the hook must not chain to (it would print every line)."""
         current, current_data = ffi.new("ggml_log_callback *"), ffi.new("void **")
-        llama().llama_log_get(current, current_data)
-        llama().llama_log_set(ffi.NULL, ffi.NULL)  # NULL selects the default printer
+        self._lib.llama_log_get(current, current_data)
+        self._lib.llama_log_set(ffi.NULL, ffi.NULL)  # NULL selects the default printer
         default = ffi.new("ggml_log_callback *")
-        llama().llama_log_get(default, current_data)
-        llama().llama_log_set(current[0], current_data[0] if current[0] != default[0] else ffi.NULL)
+        self._lib.llama_log_get(default, current_data)
+        self._lib.llama_log_set(current[0], current_data[0] if current[0] != default[0] else ffi.NULL)
         return default[0]
 
     def _on_log(self, level: int, text: Any, user_data: Any) -> None:
@@ -62,27 +62,30 @@ class _Hook:
     def ensure_installed(self) -> None:
         """Install the hook unless it is llama.cpp's current callback (cheap when it is)."""
         current, current_data = ffi.new("ggml_log_callback *"), ffi.new("void **")
-        llama().llama_log_get(current, current_data)
+        self._lib.llama_log_get(current, current_data)
         if current[0] == self.callback:
             return
         with _install_lock:
-            llama().llama_log_get(current, current_data)
+            self._lib.llama_log_get(current, current_data)
             if current[0] != self.callback:
                 chained = current[0] != self.default
                 self.previous = (current[0], current_data[0]) if chained else (ffi.NULL, ffi.NULL)
-                llama().llama_log_set(self.callback, ffi.NULL)
+                self._lib.llama_log_set(self.callback, ffi.NULL)
 
 
 _hook: _Hook | None = None
 
 
-def install() -> None:
-    """Send llama.cpp's logging through :data:`logger`, keeping the callback installed before."""
+def install(lib: Any = None) -> None:
+    """Send llama.cpp's logging through :data:`logger`, keeping the callback installed before.
+
+    ``lib``: the opened libllama, for the loader's call before its initialisation is done.
+    """
     global _hook
     if _hook is None:
         with _install_lock:
             if _hook is None:
-                _hook = _Hook()
+                _hook = _Hook(lib if lib is not None else llama())
     _hook.ensure_installed()
 
 

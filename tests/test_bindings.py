@@ -104,8 +104,18 @@ def test_log_hook_keeps_llama_cpp_python_verbose_output(tiny_model_path) -> None
 
 
 def test_log_hook_is_quiet_on_its_own(tiny_model_path) -> None:
+    """Nothing of llama.cpp's reaches stderr (a CUDA build's device banner included: see the next test)."""
     _, lines = _stderr_lines(f"from kvrt.engine.model import Model; Model({str(tiny_model_path)!r})")
     assert lines == 0
+
+
+def test_log_hook_is_installed_before_the_first_library_call_that_may_log() -> None:
+    """``import kvrt`` hooks llama.cpp's log as it opens the library: the backend registry, which a CUDA build
+    announces on first use, is only touched afterwards."""
+    out, _ = _stderr_lines("import kvrt; from kvrt.bindings import _log, ffi, lib\n"
+                           "cb, data = ffi.new('ggml_log_callback *'), ffi.new('void **')\n"
+                           "lib().llama_log_get(cb, data); print(_log._hook is not None and cb[0] == _log._hook.callback)")
+    assert out.strip() == "True"
 
 
 def test_errors_keep_llama_cpp_words_after_llama_cpp_python_took_the_callback(tmp_path, tiny_model_path) -> None:
