@@ -19,7 +19,8 @@ def test_logits_match_llama_cpp_python(tiny_model_path: Path, tiny_model: Model)
     """Same model, prompt and context settings through llama-cpp-python's high-level API."""
     llama_cpp = pytest.importorskip("llama_cpp")
     llm = llama_cpp.Llama(str(tiny_model_path), n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2,
-                          logits_all=True, verbose=False)
+                          n_gpu_layers=tiny_model.params.n_gpu_layers,  # the same device as kvrt's (GPU: all layers)
+                          flash_attn=False, logits_all=True, verbose=False)
     tokens = llm.tokenize(PROMPT.encode())
     llm.eval(tokens)
     reference = np.asarray(llm.scores[len(tokens) - 1])
@@ -183,7 +184,8 @@ def test_invalid_parameters_are_refused_before_llama_cpp() -> None:
 
 
 def test_greedy_generation_follows_the_argmax(tiny_model: Model) -> None:
-    """Each greedy token is the argmax of a full recompute of everything before it."""
+    """Each greedy token is the argmax of a full recompute of everything before it, up to the float noise
+    between a one-token decode and a many-token prefill (other matmul kernels on a GPU; none seen on the CPU)."""
     params = GenerationParams(max_tokens=6)
     prompt = tiny_model.tokenize("Once upon a time")
     with Context(tiny_model, n_ctx=128) as ctx:
@@ -192,7 +194,9 @@ def test_greedy_generation_follows_the_argmax(tiny_model: Model) -> None:
     history = list(prompt)
     for token in result.tokens:
         with Context(tiny_model, n_ctx=128) as ref:
-            assert int(np.argmax(ref.logits(prefill(ref, history)))) == token
+            logits = ref.logits(prefill(ref, history))
+        best = int(np.argmax(logits))
+        assert token == best or logits[best] - logits[token] <= 1e-3 * np.abs(logits).max(), (token, best)
         history.append(token)
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from kvrt.system import cpu
 from kvrt.system.cpu import CpuInfo, ProbeOutcome, decide_extra_bufts, run_probe
+from kvrt.system.gpu import llama_gpu_devices
 
 WITH_REPACK = CpuInfo("test CPU", frozenset({"avx2", "amx_tile"}), {"AMX_INT8": "1"}, ("AMX", "CPU_REPACK"))
 WITHOUT_EXTRA = CpuInfo("test CPU", frozenset({"avx2"}), {}, ())
@@ -179,6 +180,9 @@ def test_use_extra_bufts_reaches_llama_cpp(tmp_path: Path) -> None:
     verdict = cpu.safe_extra_bufts()
     if not verdict.use_extra_bufts:
         pytest.skip(f"extra buffer types are unsafe on this machine ({verdict.reason})")
+    if llama_gpu_devices():
+        pytest.skip("llama.cpp has a GPU here: its host buffer type comes before the CPU's extra buffer types in the "
+                    "list for weights kept on the CPU (llama-model.cpp make_cpu_buft_list), so they are never picked")
     path = write_model(tmp_path / "q4.gguf", cpu.PROBE_PRESET)
     code = ("import logging, sys; from kvrt.engine.model import Model; lines = []\n"
             "class Keep(logging.Handler):\n    def emit(self, record): lines.append(record.getMessage())\n"

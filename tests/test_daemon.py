@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from test_scheduler import charge_estimates
 
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
@@ -131,7 +132,8 @@ def sock_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture()
-def daemon(sock_dir, tiny_model_path):
+def daemon(sock_dir, tiny_model_path, monkeypatch):
+    charge_estimates(monkeypatch)  # the ledger is sized from estimates, so it charges those on a GPU too
     shape = ModelShape.read(tiny_model_path)
     ledger = VramLedger(2 * shape.weight_bytes(on_gpu=False) + context_estimate(shape, N_CTX).total_bytes)  # one live context
     scheduler = Scheduler(ledger, n_threads=1)

@@ -7,6 +7,7 @@ chosen from the unstopped output itself, so it certainly occurs; no piece may sh
 from __future__ import annotations
 
 import pytest
+from test_scheduler import charge_estimates
 
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import VramLedger
@@ -50,6 +51,12 @@ def test_no_piece_shows_any_part_of_a_stop_string(tiny_model, unstopped):
 ])
 def test_held_back_is_the_longest_suffix_that_starts_a_stop(text, stops, held):
     assert held_back(text, stops) == held
+
+
+@pytest.fixture(autouse=True)
+def _estimated_charges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's ledger below is sized from the header's estimates: it must charge those on a GPU too."""
+    charge_estimates(monkeypatch)
 
 
 def _scheduler(tiny_model_path) -> Scheduler:
