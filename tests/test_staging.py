@@ -392,6 +392,29 @@ def test_many_cycles_leak_no_host_memory_and_no_ledger_bytes(tiny_model, agent):
     assert ledger.allocated_bytes == 0
 
 
+def test_a_cancelled_prefetch_queued_behind_a_drain_keeps_no_part_of_that_capture(tiny_model, agent):
+    """A prefetch that waited for a slot's swap-out and was then cancelled holds its error (and the frame it was
+    raised in) as long as its handle lives; that must not keep the swapped-out agent's snapshot and host buffer.
+    (Seen on the H200 as host memory still in use after many cycles; reproduced here by making the drain wait.)"""
+    snap, tokens = agent
+    pool = HostPool(pinned=False, max_bytes=8 * (1 << 20))
+    with KVStager(tiny_model, TINY, VramLedger(capacity_bytes=64 * GB), max_contexts=1, host_pool=pool) as stager:
+        ctx = stager.activate(stager.prefetch(snap))
+        greedy(ctx, tokens[-1], 1)
+        gate = threading.Event()
+        stager._copy_out.submit(gate.wait)  # the swap-out waits in line, so the prefetch queues behind its drain
+        pending = stager.swap_out_async(ctx)
+        handle = stager.prefetch(snap)
+        assert handle.cancel()
+        gate.set()
+        assert pending.result().n_tokens == snap.n_tokens + 1
+        del pending  # the caller drops the capture
+        handle.settle()
+        gc.collect()
+        assert pool.stats.bytes_in_use == 0
+        assert handle.cancelled  # the handle itself is still here
+
+
 def test_prefetch_bench_serves_every_arm_the_same_tokens(tiny_model_path, tmp_path):
     """`kvrt bench prefetch` on the tiny model: all arms agree token for token; every figure and bound is written
     (the bounds themselves are not judged on a shared CPU's timings)."""

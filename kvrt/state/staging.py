@@ -169,6 +169,9 @@ class KVStager:
         t0 = time.perf_counter()
         if after is not None:
             after._wait()
+            # The capture is the swapped-out agent's, not this job's: an exception raised below keeps this
+            # frame alive in the handle's future, and must not keep that snapshot (and its host buffer) with it.
+            after = None
             with self._lock:
                 if slot.handle is not handle:  # the drain failed: the slot's agent is active again
                     self._totals["failed"] += 1
