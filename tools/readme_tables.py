@@ -192,13 +192,29 @@ def prefetch(folder: str) -> str:
             + "; ".join(parts))
 
 
+def host_tier(folder: str, files: tuple[str, ...]) -> str:
+    """Each history length of the host-tier microbenchmark: restore from the tier vs prefill again, and vs the ideal."""
+    parts = []
+    for name in files:
+        rows = {b["name"].removeprefix("test_"): b for b in load(folder, name)["benchmarks"]}
+        tier = rows["returning_history_restored_from_the_host_tier"]
+        ideal = rows["ideal_copy_of_the_state"]["stats"]["median"]
+        prefill = rows["returning_history_prefilled_again"]["stats"]["median"]
+        restore = tier["stats"]["median"]
+        parts.append(f"{tier['extra_info']['history_tokens']:,} tokens: {restore * 1e3:.2f} ms vs "
+                     f"{prefill * 1e3:,.0f} ms (**{prefill / restore:,.0f}x**), {restore / ideal:.2f}x the ideal copy")
+    return "; ".join(parts)
+
+
 # -- the tables ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Cell:
-    """How one machine's cell of a row is made: the function and the files (in that machine's folder) it reads."""
+    """How one machine's cell of a row is made: the function and the files it reads, in that machine's folder
+    or in ``folder`` (a later run of the same machine)."""
 
     render: Callable[[str], str]
     files: tuple[str, ...]
+    folder: str | None = None
 
 
 @dataclass(frozen=True)
@@ -213,6 +229,8 @@ def _same(render: Callable[[str], str], *files: str) -> tuple[Cell, Cell]:
     return Cell(render, files), Cell(render, files)
 
 
+H200_HOST_TIER = ("host-tier/doc-8192.json", "host-tier/doc-32768.json")
+CPU_HOST_TIER = ("host-tier/bench_host_tier-512.json", "host-tier/bench_host_tier-2048.json")
 ROWS = (
     Row("two agents over a 3,501-token document, end to end vs the warm baseline (bound 2), and the ideal",
         *_same(fanout_headline, "fanout/fanout.json"), "SwarmKV 1.95x (against fresh contexts)"),
@@ -233,6 +251,10 @@ ROWS = (
         *_same(batching, "batching/batching.json"), "lmxd: one request at a time"),
     Row("the next agent's KV restored on a copy thread while the current one decodes (known one turn ahead)",
         *_same(prefetch, "prefetch/prefetch.json"), "lmxd: synchronous swap-in"),
+    Row("an agent evicted from the batched server's shared context and back: restored from the host tier vs "
+        "prefilled again",
+        Cell(lambda f: host_tier(f, H200_HOST_TIER), H200_HOST_TIER, "h200-2026-12-04"),
+        Cell(lambda f: host_tier(f, CPU_HOST_TIER), CPU_HOST_TIER, "cpu-2026-12-04"), "-"),
     Row("three models each asking for a huge context", Cell(coresidence, ("coresidence/agents.json",)), None,
         "lmxd: file size x 1.5 estimates"),
     Row("layer streaming at balance, vs serial",
@@ -250,16 +272,16 @@ SIMULATED_ROWS = (
 
 
 def _has(cell: Cell | None, folder: str) -> bool:
-    return cell is not None and all((RESULTS / folder / name).exists() for name in cell.files)
+    return cell is not None and all((RESULTS / (cell.folder or folder) / name).exists() for name in cell.files)
 
 
 def _cell(cell: Cell | None, folder: str) -> str:
     """A machine's cell: "not run" where that machine has no such data."""
-    return cell.render(folder) if cell is not None and _has(cell, folder) else "not run"
+    return cell.render(cell.folder or folder) if cell is not None and _has(cell, folder) else "not run"
 
 
 def _data(row: Row) -> str:
-    links = [f"[{m}](bench/results/{m}/{sorted({f.split('/')[0] for f in cell.files})[0]})"
+    links = [f"[{cell.folder or m}](bench/results/{cell.folder or m}/{sorted({f.split('/')[0] for f in cell.files})[0]})"
              for m, cell in ((H200, row.h200), (CPU, row.cpu)) if cell is not None and _has(cell, m)]
     return ", ".join(links) or "-"
 
