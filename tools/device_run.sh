@@ -11,7 +11,7 @@
 # (minus PACK_MARGIN_S, default 15), steps with no time left are skipped, so results.tgz is always written
 # inside the call's limit. SKIP_STEP="name ..." skips those step scripts, SKIP_STEPS=1 all of them, SKIP_BASICS=1 the
 # import-order probe and the llama.cpp GPU tests (GPU_TESTS: their files; GPU_MARK= runs all of their tests,
-# not only -m gpu). The CUDA build cannot travel back to skip the ~250 s build next time: xz -6 makes it
+# not only -m gpu). GPU_SUITE=1 also runs the whole test suite (logs suite-llama.log, suite-kernels.log). The CUDA build cannot travel back to skip the ~250 s build next time: xz -6 makes it
 # 116 MB, over what a call carries. A cold machine runs `all` within one call's 600 s
 # only with steps trimmed (SKIP_STEP, AGENT_PARTS, FORK_SWEEP_N).
 set -uo pipefail
@@ -98,6 +98,17 @@ if [ -z "${SKIP_BASICS:-}" ]; then   # import-order probe and the llama.cpp GPU 
   marks=(-m "${GPU_MARK-gpu}"); [ -n "${GPU_MARK-gpu}" ] || marks=()   # GPU_MARK= runs every test of GPU_TESTS
   timeout "$(step_limit)" python3 tools/pytest_llama_first.py "${marks[@]}" -p no:cacheprovider --continue-on-collection-errors -q -rs ${GPU_TESTS:-tests/test_gpu_foundation.py tests/test_snapshot.py} > "$RESULTS/pytest-gpu.log" 2>&1
   note "pytest ${marks[*]}: rc=$? $(tail -n 1 "$RESULTS/pytest-gpu.log")"
+fi
+if [ -n "${GPU_SUITE:-}" ]; then   # the whole test suite: ~180 s of llama.cpp tests, then the numba-cuda kernels
+  kernels=(tests/test_kernels.py tests/test_layer.py tests/test_elastic_kv.py tests/test_streamer.py)
+  # one process with llama.cpp mapped first (-v: a cut-off run still names every test it finished; no xdist: its
+  # workers do not start through that script), then the kernels in a process without llama.cpp (DEVELOPING.md)
+  timeout "$(step_limit)" python3 tools/pytest_llama_first.py -p no:cacheprovider -p no:xdist -v --tb=short tests \
+    "${kernels[@]/#/--ignore=}" > "$RESULTS/suite-llama.log" 2>&1
+  note "whole suite (llama.cpp): rc=$? $(tail -n 1 "$RESULTS/suite-llama.log")"
+  KVRT_NO_PRELOAD=1 timeout "$(step_limit)" python3 -m pytest -p no:cacheprovider -q -rfs "${kernels[@]}" \
+    > "$RESULTS/suite-kernels.log" 2>&1
+  note "whole suite (kernels): rc=$? $(tail -n 1 "$RESULTS/suite-kernels.log")"
 fi
 [ -n "${SKIP_STEPS:-}" ] || run_steps late
 pack
