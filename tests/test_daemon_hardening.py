@@ -319,7 +319,8 @@ def register_both(client: Client, model_a: Path, model_b: Path) -> None:
 
 def test_agents_survive_a_restart_and_continue_token_identically(sock_dir, tmp_path, tiny_model_path,
                                                                  other_tiny_model_path):
-    capacity = ("--capacity-bytes", str(one_context_capacity(tiny_model_path)))  # one live context: a swaps out
+    # one live context, so a swaps out; sized from the estimates, which a GPU's daemon then charges too
+    capacity = ("--capacity-bytes", str(one_context_capacity(tiny_model_path)), "--charge", "estimated")
     state, log = tmp_path / "state", tmp_path / "serve.log"
     path = sock_dir / "restart.sock"
     with serving(path, log, *capacity, "--state-dir", str(state)) as proc:

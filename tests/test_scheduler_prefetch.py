@@ -21,8 +21,9 @@ from _reference import check_greedy
 from test_scheduler import N_CTX, budget, charge_estimates, hold_worker, never_left
 
 from kvrt.accounting import estimate
-from kvrt.accounting.estimate import DeviceMeter, ModelShape
+from kvrt.accounting.estimate import DeviceMeter, ModelShape, context_estimate
 from kvrt.accounting.ledger import VramLedger
+from kvrt.serve.registry import ModelRegistry
 from kvrt.serve.results import SchedulerClosed, UnknownAgent
 from kvrt.serve.scheduler import Scheduler
 from kvrt.state.snapshot import Snapshot
@@ -68,12 +69,12 @@ def assert_freed_and_exact(ledger: VramLedger, got: dict[str, list[list[int]]], 
         assert got[name] == never_left(path, prompts, N)
 
 
-def run_rounds(path: Path, prefetch: bool) -> tuple[dict[str, list[list[int]]], dict[str, list[int]], Scheduler,
-                                                    VramLedger]:
+def run_rounds(path: Path, prefetch: bool, *, measure: bool = True) -> tuple[dict[str, list[list[int]]],
+                                                                            dict[str, list[int]], Scheduler, VramLedger]:
     """Three agents of one model, a ledger for two live contexts, every round queued at once: most turns swap
-    an agent in."""
+    an agent in. ``measure``: the registry's (and so the scheduler's) choice of measured charges on a GPU."""
     ledger = VramLedger(budget(path, 1, 2))
-    sched = Scheduler(ledger, n_threads=1, prefetch=prefetch)
+    sched = Scheduler(ledger, ModelRegistry(ledger, measure=measure), n_threads=1, prefetch=prefetch)
     for name in AGENTS:
         sched.register(name, path, N_CTX)
     gate, holder = hold_worker(sched)
@@ -250,6 +251,24 @@ def test_on_an_emulated_gpu_the_ledger_admits_two_contexts_and_agents_are_prefet
         counts = sched.prefetcher.counts
         assert counts.fallbacks == 0 and counts.activations >= 3 and counts.early_evictions >= 3, counts
         assert staging_charges(ledger) == {} and ledger.allocated_bytes == live_charges(sched, tiny_model_path)
+    finally:
+        sched.close()
+    assert_freed_and_exact(ledger, got, tiny_model_path)
+
+
+def test_with_measuring_off_an_emulated_gpu_charges_the_estimates(tiny_model_path, emulated_gpu, monkeypatch):
+    """``ModelRegistry(measure=False)`` (``kvrt serve --charge estimated``): the device is measurable, yet the
+    weights and every context keep their header estimates, so the same cap admits two live contexts."""
+    monkeypatch.setattr(DeviceMeter, "delta", MEASURED_DELTA)
+    got, _, sched, ledger = run_rounds(tiny_model_path, prefetch=True, measure=False)
+    try:
+        entry, = sched.registry.models()
+        assert entry.measured_bytes is None and entry.reservation.nbytes == entry.estimated_bytes == weights(
+            tiny_model_path)
+        assert sched.prefetcher.counts.fallbacks == 0 and sched.prefetcher.counts.activations >= 3
+        assert ledger.allocated_bytes == live_charges(sched, tiny_model_path)
+        estimate = context_estimate(ModelShape.read(tiny_model_path), N_CTX).total_bytes
+        assert all(i.context_bytes == estimate for i in sched.agents() if i.state == "active")
     finally:
         sched.close()
     assert_freed_and_exact(ledger, got, tiny_model_path)

@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admit-percent", type=float, default=90.0, help="cap as a percent of GPU memory")
     parser.add_argument("--vram-table", default=None, help="lmxd model_vram table overriding derived estimates")
     parser.add_argument("--reconcile-s", type=float, default=5.0, help="re-read NVML every this many seconds")
+    parser.add_argument("--charge", choices=("measured", "estimated"), default="measured",
+                        help="on a GPU, charge each model load and context what it took of the device's free memory "
+                             "(measured) or the header's estimate (estimated: other processes allocating on the "
+                             "same GPU are then never counted as kvrt's)")
     parser.add_argument("--n-gpu-layers", type=int, default=-1, help="layers to offload (-1: all)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per context")
     parser.add_argument("--state-dir", default=None,
@@ -111,7 +115,7 @@ def _run_socket(args: argparse.Namespace) -> int:
     budget = choose_budget(args.capacity_bytes, args.admit_percent)
     ledger = VramLedger(budget.capacity_bytes, admit_percent=args.admit_percent,
                         reconcile_every_s=args.reconcile_s if budget.source == "nvml" else None)
-    registry = ModelRegistry(ledger, n_gpu_layers=args.n_gpu_layers, table=table)
+    registry = ModelRegistry(ledger, n_gpu_layers=args.n_gpu_layers, table=table, measure=args.charge == "measured")
     scheduler: Scheduler | BatchedScheduler
     if args.batch_slots:
         scheduler = BatchedScheduler(ledger, registry, config=BatchConfig(

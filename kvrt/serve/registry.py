@@ -50,11 +50,15 @@ class ModelRegistry:
     ``table`` is lmxd's ``model_vram`` table (:func:`kvrt.accounting.estimate.parse_vram_table`):
     an entry for a model's path (or file name) replaces the derived weight estimate.
     ``use_extra_bufts`` is passed to every :class:`Model` (``None``: the machine's verdict).
+    ``measure``: on a GPU, correct each derived estimate to what the load took of the device's free
+    memory (whole pages; schedulers do the same for contexts). Off, the estimates stand: the choice
+    where other processes allocate on the same GPU meanwhile and would be counted as kvrt's.
     """
 
     def __init__(self, ledger: VramLedger, *, n_gpu_layers: int = -1, table: dict[str, int] | None = None,
-                 use_extra_bufts: bool | None = None) -> None:
+                 use_extra_bufts: bool | None = None, measure: bool = True) -> None:
         self.ledger = ledger
+        self.measure = measure
         self.n_gpu_layers = n_gpu_layers
         self.use_extra_bufts = use_extra_bufts
         self.table = dict(table or {})
@@ -101,12 +105,12 @@ class ModelRegistry:
             estimate, source = self._weight_estimate(resolved, shape)
             reservation = self.ledger.try_reserve(estimate, f"model:{resolved.name}")
             try:
-                meter = DeviceMeter()
+                meter = DeviceMeter() if self.measure else None
                 model = Model(resolved, n_gpu_layers=self.n_gpu_layers, use_extra_bufts=self.use_extra_bufts)
             except BaseException:
                 self.ledger.release(reservation)
                 raise
-            measured = meter.delta()
+            measured = meter.delta() if meter is not None else None
             if measured is None and not self.on_gpu:
                 measured = model.size_bytes  # llama.cpp's own count of what it holds in memory
             entry = LoadedModel(resolved, model, shape, reservation, estimate, source, measured_bytes=measured)

@@ -52,8 +52,10 @@ class Residency:
     """
 
     def __init__(self, ledger: VramLedger, agents: dict[str, Agent], *, pool: HostPool | None, n_ubatch: int,
-                 n_threads: int | None, flash_attn: str, on_evict: Callable[[Agent], None]) -> None:
+                 n_threads: int | None, flash_attn: str, on_evict: Callable[[Agent], None],
+                 measure: bool = True) -> None:
         self.ledger = ledger
+        self.measure = measure  # correct each context's estimate to the device memory it took (a GPU only)
         self.agents = agents
         self.pool = pool
         self.n_ubatch = n_ubatch
@@ -96,7 +98,7 @@ class Residency:
         if self.prefetcher is not None and self.prefetcher.take(agent, switch):
             return
         while kv.live is None:
-            meter = DeviceMeter()
+            meter = DeviceMeter() if self.measure else None
             try:
                 live = kv.open()
             except LedgerDenied:
@@ -112,7 +114,7 @@ class Residency:
                     victim.kv.free()
                 continue
             switch.context_ms = live.create_s * 1e3
-            self._correct(kv, meter.delta())
+            self._correct(kv, meter.delta() if meter is not None else None)
         t0 = time.perf_counter()
         restored = kv.swap_in()  # a failure frees the context and keeps the snapshot for the next attempt
         if restored:

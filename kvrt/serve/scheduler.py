@@ -92,7 +92,8 @@ class Scheduler(AgentService[Agent]):
         self.pool = pool
         self._agents: dict[str, Agent] = {}
         self.residency = Residency(ledger, self._agents, pool=pool, n_ubatch=n_ubatch, n_threads=n_threads,
-                                   flash_attn=flash_attn, on_evict=lambda agent: persist(self, agent))
+                                   flash_attn=flash_attn, on_evict=lambda agent: persist(self, agent),
+                                   measure=self.registry.measure)
         self.prefetcher = Prefetcher(self.residency) if prefetch else None
         self.residency.prefetcher = self.prefetcher
         self._control: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
