@@ -216,6 +216,10 @@ class Cell:
     files: tuple[str, ...]
     folder: str | None = None
 
+    def source(self, machine: str) -> str:
+        """The folder this cell reads: its own, else the machine's."""
+        return self.folder or machine
+
 
 @dataclass(frozen=True)
 class Row:
@@ -272,16 +276,16 @@ SIMULATED_ROWS = (
 
 
 def _has(cell: Cell | None, folder: str) -> bool:
-    return cell is not None and all((RESULTS / (cell.folder or folder) / name).exists() for name in cell.files)
+    return cell is not None and all((RESULTS / cell.source(folder) / name).exists() for name in cell.files)
 
 
 def _cell(cell: Cell | None, folder: str) -> str:
     """A machine's cell: "not run" where that machine has no such data."""
-    return cell.render(cell.folder or folder) if cell is not None and _has(cell, folder) else "not run"
+    return cell.render(cell.source(folder)) if cell is not None and _has(cell, folder) else "not run"
 
 
 def _data(row: Row) -> str:
-    links = [f"[{cell.folder or m}](bench/results/{cell.folder or m}/{sorted({f.split('/')[0] for f in cell.files})[0]})"
+    links = [f"[{cell.source(m)}](bench/results/{cell.source(m)}/{sorted({f.split('/')[0] for f in cell.files})[0]})"
              for m, cell in ((H200, row.h200), (CPU, row.cpu)) if cell is not None and _has(cell, m)]
     return ", ".join(links) or "-"
 

@@ -284,11 +284,12 @@ class DeviceMeter:
     ``delta()`` is what the step took, or ``None`` where llama.cpp has no GPU device
     (then nothing can be measured and the derived estimate stands). The reading is
     device-wide: another process allocating meanwhile would be counted too, which the
-    ledger's reconciliation then shows as drift.
+    ledger's reconciliation then shows as drift; ``measure=False`` reads nothing and
+    measures nothing (the caller's choice to keep its estimates).
     """
 
-    def __init__(self) -> None:
-        self._before = self._free()
+    def __init__(self, measure: bool = True) -> None:
+        self._before = self._free() if measure else None
 
     @staticmethod
     def gpu_present() -> bool:
@@ -300,7 +301,9 @@ class DeviceMeter:
         return sum(d.free_bytes for d in devices) if devices else None
 
     def delta(self) -> int | None:
+        if self._before is None:
+            return None
         after = self._free()
-        if after is None or self._before is None:
+        if after is None:
             return None
         return max(self._before - after, 0)

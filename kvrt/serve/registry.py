@@ -105,12 +105,12 @@ class ModelRegistry:
             estimate, source = self._weight_estimate(resolved, shape)
             reservation = self.ledger.try_reserve(estimate, f"model:{resolved.name}")
             try:
-                meter = DeviceMeter() if self.measure else None
+                meter = DeviceMeter(self.measure)
                 model = Model(resolved, n_gpu_layers=self.n_gpu_layers, use_extra_bufts=self.use_extra_bufts)
             except BaseException:
                 self.ledger.release(reservation)
                 raise
-            measured = meter.delta() if meter is not None else None
+            measured = meter.delta()
             if measured is None and not self.on_gpu:
                 measured = model.size_bytes  # llama.cpp's own count of what it holds in memory
             entry = LoadedModel(resolved, model, shape, reservation, estimate, source, measured_bytes=measured)

@@ -98,7 +98,7 @@ class Residency:
         if self.prefetcher is not None and self.prefetcher.take(agent, switch):
             return
         while kv.live is None:
-            meter = DeviceMeter() if self.measure else None
+            meter = DeviceMeter(self.measure)
             try:
                 live = kv.open()
             except LedgerDenied:
@@ -114,7 +114,7 @@ class Residency:
                     victim.kv.free()
                 continue
             switch.context_ms = live.create_s * 1e3
-            self._correct(kv, meter.delta() if meter is not None else None)
+            self._correct(kv, meter.delta())
         t0 = time.perf_counter()
         restored = kv.swap_in()  # a failure frees the context and keeps the snapshot for the next attempt
         if restored:
