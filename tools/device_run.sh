@@ -12,7 +12,8 @@
 # inside the call's limit. SKIP_STEP="name ..." skips those step scripts, SKIP_STEPS=1 all of them, SKIP_BASICS=1 the
 # import-order probe and the llama.cpp GPU tests (GPU_TESTS: their files; GPU_MARK= runs all of their tests,
 # not only -m gpu). GPU_SUITE=1 also runs the whole test suite (logs suite-llama.log, suite-kernels.log).
-# The CUDA build cannot travel back to skip the ~250 s build next time: xz -6 makes it 116 MB, over what a call carries. A cold machine runs `all` within one call's 600 s
+# The CUDA build cannot travel back to skip the ~250 s build next time: xz -6 makes it 116 MB, over what a call
+# carries. A cold machine runs `all` within one call's 600 s
 # only with steps trimmed (SKIP_STEP, AGENT_PARTS, FORK_SWEEP_N).
 set -uo pipefail
 phase=${1:-all}
