@@ -225,12 +225,13 @@ def test_n_choices_fork_one_prefill(tiny_model):
     assert result.end.completion_tokens == sum(len(c.tokens) for c in result.choices)
 
 
-def test_long_prompt_is_prefilled_in_chunks_beside_a_decoding_request(tiny_model):
+@pytest.mark.parametrize("layout", ["split", "unified"])
+def test_long_prompt_is_prefilled_in_chunks_beside_a_decoding_request(tiny_model, layout):
     gate = StepGate()
     short = text_tokens(tiny_model, "short")
     long = text_tokens(tiny_model, "a long prompt that goes on " * 12)
     chunks: list[tuple[int, int]] = []
-    with engine(tiny_model, gate, n_batch=64, prefill_chunk=32) as eng:
+    with engine(tiny_model, gate, n_ctx=4096, n_batch=64, prefill_chunk=32, kv_layout=layout) as eng:
         s = eng.submit(Request(short, greedy(40)))
         gate.allow(1)
         assert isinstance(s.get(WAIT_S), TokenEvent)

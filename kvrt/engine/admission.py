@@ -4,9 +4,10 @@
 refuses (:class:`RequestTooLarge`) what no state of the engine could hold.
 :func:`place` runs on the worker: it finds the longest prefix any slot holds, decides
 whether slots and cells are free now (``None``: wait), and if so claims the slots
-(a request that extends all of a cached slot continues in that slot), shares the
-prefix with ``seq_cp`` and evicts least recently used cached prefixes
-until the request's worst case fits beside what running requests may still write.
+(a request continues its own cached conversation in place, see :func:`_first_slot`),
+shares the prefix with ``seq_cp`` and, in the unified layout, evicts least recently
+used cached prefixes until the request's worst case fits beside what running requests
+may still write.
 """
 
 from __future__ import annotations
@@ -28,14 +29,24 @@ LLAMA_MAX_SEQ = 256
 WAIT_FOR_SHARE = 32  # prompt tokens another request is prefilling that are worth waiting a step or two for
 
 
+KV_LAYOUTS = ("auto", "split", "unified")
+CELL_ALIGN = 256  # llama.cpp rounds a context's cells, and a stream's, up to a multiple of this
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's context and scheduling limits.
 
-    ``n_ctx`` cells are shared by all ``n_seq_max`` slots; ``n_batch`` bounds the tokens
-    of one step (every decoding choice takes one, so it must be >= ``n_seq_max``);
-    ``prefill_chunk`` bounds one request's prompt tokens per step; ``max_queue`` the
-    requests waiting for admission before :class:`kvrt.engine.requests.EngineOverloaded`.
+    ``n_ctx`` cells hold all ``n_seq_max`` slots. ``kv_layout`` says how
+    (:mod:`kvrt.engine.prefix_cache`): ``split`` gives each slot a stream of
+    :attr:`split_cells` cells of its own, so a sequence attends over its own history only;
+    ``unified`` makes them one pool, so one slot may hold up to ``n_ctx`` and a prefix is
+    shared without a copy, but every sequence attends over every used cell; ``auto``
+    (the default) runs split and turns unified while requests need more than a slot's share
+    (see :class:`kvrt.engine.batching.Engine`). ``n_batch`` bounds the tokens of one step
+    (every decoding choice takes one, so it must be >= ``n_seq_max``); ``prefill_chunk``
+    bounds one request's prompt tokens per step; ``max_queue`` the requests waiting for
+    admission before :class:`kvrt.engine.requests.EngineOverloaded`.
     """
 
     n_ctx: int = 4096
@@ -46,6 +57,7 @@ class EngineConfig:
     n_threads: int | None = None
     flash_attn: str = "auto"
     host_bytes: int = 0  # host copies of evicted slots (kvrt.engine.host_tier); 0: evicted prefixes are recomputed
+    kv_layout: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_seq_max", "n_batch", "prefill_chunk", "max_queue"):
@@ -59,10 +71,34 @@ class EngineConfig:
         if self.n_batch < self.n_seq_max:
             raise EngineError(f"n_batch ({self.n_batch}) must be >= n_seq_max ({self.n_seq_max}): every decoding "
                               "sequence puts one token into each step's batch")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise EngineError(f"EngineConfig.kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.kv_layout == "split" and not self.split_cells:
+            raise EngineError(f"kv_layout='split' gives each of {self.n_seq_max} slots n_ctx // n_seq_max cells, "
+                              f"rounded down to a multiple of {CELL_ALIGN}: n_ctx={self.n_ctx} leaves none; "
+                              f"give at least {CELL_ALIGN * self.n_seq_max} cells or use 'unified'")
 
-    def context_params(self) -> ContextParams:
-        return ContextParams(n_ctx=self.n_ctx, n_batch=self.n_batch, n_ubatch=min(self.n_batch, 512),
-                             n_seq_max=self.n_seq_max, kv_unified=True, n_threads=self.n_threads,
+    @property
+    def pool_cells(self) -> int:
+        """Cells of the unified layout: all of them, one pool (llama.cpp rounds ``n_ctx`` up)."""
+        return -(-self.n_ctx // CELL_ALIGN) * CELL_ALIGN
+
+    @property
+    def split_cells(self) -> int:
+        """Cells of one slot's stream in the split layout (0: too few cells to split, or one slot)."""
+        if self.n_seq_max == 1:
+            return 0
+        return self.pool_cells // self.n_seq_max // CELL_ALIGN * CELL_ALIGN
+
+    def starts_shared(self) -> bool:
+        """Whether the engine's first context is unified (``auto`` starts split where it can)."""
+        return self.kv_layout == "unified" or not self.split_cells
+
+    def context_params(self, shared: bool) -> ContextParams:
+        """The context of one layout: ``shared`` (unified) or one stream of :attr:`split_cells` per slot."""
+        n_ctx = self.n_ctx if shared else self.split_cells * self.n_seq_max
+        return ContextParams(n_ctx=n_ctx, n_batch=self.n_batch, n_ubatch=min(self.n_batch, 512),
+                             n_seq_max=self.n_seq_max, kv_unified=shared, n_threads=self.n_threads,
                              flash_attn=self.flash_attn)
 
 
@@ -92,18 +128,32 @@ def check_tokens(request: Request, n_vocab: int) -> None:
                           f"vocabulary [0, {n_vocab})")
 
 
-def check_fits(request: Request, n_cells: int, n_slots: int, n_vocab: int) -> None:
-    """Refuse what no state of the engine could run: too many cells, choices or unknown tokens."""
+def check_fits(request: Request, config: EngineConfig, n_vocab: int) -> None:
+    """Refuse what no state of the engine could run: too many cells, choices or unknown tokens.
+
+    A slot holds at most the pool's cells (unified, or ``auto``, which turns unified for
+    it), or its stream's in a fixed split layout.
+    """
     n, limit, prompt = request.n, request.params.max_tokens, len(request.prompt)
+    split = config.kv_layout == "split"
+    n_cells = config.split_cells if split else config.pool_cells
+    where = (f"a slot's {n_cells} cells (kv_layout 'split': {config.n_ctx} cells over {config.n_seq_max} slots)"
+             if split else f"the context's {n_cells} cells")
     if prompt + limit > n_cells:
-        raise RequestTooLarge(f"prompt ({prompt} tokens) + max_tokens ({limit}) = {prompt + limit} exceeds "
-                              f"the context's {n_cells} cells")
-    if request.cells > n_cells:
+        raise RequestTooLarge(f"prompt ({prompt} tokens) + max_tokens ({limit}) = {prompt + limit} exceeds {where}")
+    if not split and request.cells > n_cells:
         raise RequestTooLarge(f"prompt ({prompt} tokens) + n ({n}) x max_tokens ({limit}) = {request.cells} "
                               f"cells exceed the context's {n_cells}")
-    if n > n_slots:
-        raise RequestTooLarge(f"n={n} choices need {n} sequence slots; the engine has {n_slots}")
+    if n > config.n_seq_max:
+        raise RequestTooLarge(f"n={n} choices need {n} sequence slots; the engine has {config.n_seq_max}")
     check_tokens(request, n_vocab)
+
+
+def fits_a_slot(request: Request, cache: PrefixCache) -> bool:
+    """Whether ``request`` fits the cache's layout now: each of its slots within a slot's cells, and, shared,
+    all of them within the pool."""
+    prompt, limit = len(request.prompt), request.params.max_tokens
+    return prompt + limit <= cache.slot_cells and (not cache.shared or request.cells <= cache.n_cells)
 
 
 def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, coming: int = 0) -> Live | None:
@@ -136,22 +186,19 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
     if slots_needed + pinned + (1 if pending.pin else 0) > cache.n_slots:
         raise RequestTooLarge(f"{slots_needed} slot(s) needed, {pinned} of the engine's {cache.n_slots} "
                               f"are pinned{' (a pin must leave one slot unpinned)' if pending.pin else ''}")
-    own = new_cells + (0 if src in cache.pinned else m)  # a pinned source's cells are the pin's
-    beside_pins = cache.n_cells - cache.pinned_cells()
-    if own > beside_pins:
-        raise RequestTooLarge(f"the request needs {own} cells; {beside_pins} of the context's "
-                              f"{cache.n_cells} are not held by pinned prefixes")
-    free = cache.cells_if_evicted(keep=(src, m) if src is not None else None)
-    if cache.available_slots() < slots_needed or free - reserved < new_cells:
+    if cache.shared:  # one pool: the request's cells must fit beside pinned and running ones
+        own = new_cells + (0 if src in cache.pinned else m)  # a pinned source's cells are the pin's
+        beside_pins = cache.n_cells - cache.pinned_cells()
+        if own > beside_pins:
+            raise RequestTooLarge(f"the request needs {own} cells; {beside_pins} of the context's "
+                                  f"{cache.n_cells} are not held by pinned prefixes")
+        free = cache.cells_if_evicted(keep=(src, m) if src is not None else None)
+        if free - reserved < new_cells:
+            return None
+    if cache.available_slots() < slots_needed:
         return None
-    extends = (src is not None and cache.state[src] == "cached" and src not in cache.pinned
-               and len(cache.tokens(src)) == m)  # the request continues all of it: a conversation's next turn
-    first = None if extends else cache.claim(avoid=src)
-    if first is None:  # continue in the source slot itself (no copy, and no other slot's cells evicted)
-        assert src is not None
-        first = src
-        cache.take_over(src, m)
-    elif src is not None:
+    first, continued = _first_slot(cache, src, m)
+    if src is not None and not continued:
         cache.copy_prefix(src, first, 0, m)
     elif entry is not None:
         cache.evict_until(new_cells + reserved)  # the restore writes new cells: make them free first
@@ -162,7 +209,31 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
         slot = first if i == 0 else cache.claim()
         assert slot is not None  # available_slots() counted them
         if i > 0:
-            cache.copy_prefix(first, slot, 0, m)
+            cache.follow(first, slot, 0, m, complete=False)
         live.choices.append(Choice(i, slot, sampler, SequenceStream(model, request.params), pos=m))
     cache.evict_until(new_cells + reserved)
     return live
+
+
+def _first_slot(cache: PrefixCache, src: int | None, m: int) -> tuple[int, bool]:
+    """The slot a request's first choice runs in, and whether it continues ``src`` (sharing ``m`` positions) in place.
+
+    A cached, unpinned source is continued when the request extends all of it (a
+    conversation's next turn), or when no slot is free and either the request keeps at
+    least half of it (its own history with a changed ending, llama-server's
+    slot-similarity rule: claiming another slot would evict some other conversation for
+    nothing) or the source is the least recently used slot, the one a claim would evict.
+    Otherwise a free slot, or the least recently used cached one other than the source,
+    gets a copy of the prefix, and the source stays as it was for whoever shares it.
+    """
+    if src is not None and cache.reusable(src):
+        held = cache.held(src)
+        if m == held or (not cache.has_free_slot() and (2 * m >= held or cache.next_victim() == src)):
+            cache.take_over(src, m)
+            return src, True
+    first = cache.claim(avoid=src)
+    if first is None:  # only the source itself is left to take
+        assert src is not None
+        cache.take_over(src, m)
+        return src, True
+    return first, False

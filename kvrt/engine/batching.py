@@ -1,16 +1,17 @@
 """Continuous batching: many requests share one llama.cpp context and one ``llama_decode`` per step.
 
-An :class:`Engine` owns one context with ``kv_unified=True`` and ``n_seq_max`` sequence
-slots, and a worker thread that repeats :meth:`Engine.step`:
+An :class:`Engine` owns one context with ``n_seq_max`` sequence slots, and a worker
+thread that repeats :meth:`Engine.step`:
 
 1. hooks and housekeeping: ``before_step()`` (e.g. growing the context), commands
    from other threads (unpin), cancelled and expired requests end;
 2. admission: waiting requests, first come first served, get slots; the longest
    token prefix any slot already holds is shared with ``seq_cp`` (the prefix cache of
-   :mod:`kvrt.state.prefix_cache`), so only the rest of the prompt is prefilled;
+   :mod:`kvrt.engine.prefix_cache`), so only the rest of the prompt is prefilled;
 3. one :class:`kvrt.engine.batch.Batch`: the last sampled token of every decoding choice,
    then prompt chunks of at most ``prefill_chunk`` tokens per request, round robin, up
-   to ``n_batch`` tokens: a long prompt never stalls the others for more than a chunk;
+   to ``n_batch`` tokens: a long prompt never stalls the others for more than a chunk
+   (split layout: rows in slot order, so llama.cpp computes consecutive streams together);
 4. one ``ctx.decode``; then the mirror of the cells is updated, the forks of ``n > 1``
    requests share the chunk's cells, ``after_chunk(p0, p1)`` hooks run, and every row
    with logits is sampled by its choice's own sampler and streamed out.
@@ -19,6 +20,17 @@ A request that can never fit (prompt + max_tokens beyond the cells, more choices
 slots) is refused with :class:`kvrt.engine.requests.RequestTooLarge` before anything is
 allocated; one that fits later waits. Nothing a refusal does touches running requests.
 All llama.cpp calls happen on the worker thread.
+
+The KV layout (``EngineConfig.kv_layout``, :mod:`kvrt.engine.prefix_cache`): ``split``
+gives every slot a stream of its own, so attention costs what a sequence's own history
+holds; ``unified`` pools the cells, so one request may hold more than a slot's share
+and prefixes are shared without copies. ``auto`` runs split and recreates the context
+unified when the request at the head of the queue needs more than a slot's share (it
+waits until nothing runs; pinned prefixes keep the layout, so such a request is then
+refused), and split again once the engine is idle and nothing it caches needs more.
+Nothing cached crosses a switch: llama.cpp's sequence state records the stream count of
+the context it came from and is refused by the other layout, so the slots and the host
+tier's copies are dropped, and a returning conversation is prefilled again.
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvrt.engine.admission import EngineConfig, Pending, check_fits, check_tokens, place
+from kvrt.engine.admission import EngineConfig, Pending, check_fits, check_tokens, fits_a_slot, place
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.decode_step import Feed, fill, greedy_picks
@@ -83,7 +95,7 @@ class Engine:
         self.config = replace(config or EngineConfig(), **overrides)
         self.model = model
         self.before_step = before_step
-        self.ctx = Context(model, self.config.context_params())
+        self.ctx = Context(model, self.config.context_params(self.config.starts_shared()))
         try:
             tier = HostTier(self.config.host_bytes, alloc=host_alloc) if self.config.host_bytes else None
             self.cache = PrefixCache(self.ctx, tier)
@@ -99,7 +111,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._wake = threading.Event()
         self._closing = False
-        self._steps = self._prefilled = self._reused = self._decoded = 0
+        self._steps = self._prefilled = self._reused = self._decoded = self._relayouts = 0
         self._busy_s = self._decode_s = 0.0
         self._thread = threading.Thread(target=self._run, name=f"kvrt-engine-{model.path.stem}", daemon=True)
         self._thread.start()
@@ -115,7 +127,7 @@ class Engine:
         Raises :class:`RequestTooLarge` for what can never fit, :class:`EngineOverloaded`
         when ``max_queue`` requests already wait, and the sampler's error for a bad grammar.
         """
-        check_fits(request, self.n_cells, self.cache.n_slots, self.model.n_vocab)
+        check_fits(request, self.config, self.model.n_vocab)
         samplers: list[Sampler] = []
         try:
             for i in range(request.n):
@@ -133,8 +145,9 @@ class Engine:
         The stream's id is the pin's id; its :class:`RequestEnd` says the prefix is in.
         """
         request = Request(tokens, GenerationParams(max_tokens=1))
-        if len(request.prompt) > self.n_cells:
-            raise RequestTooLarge(f"a pin of {len(request.prompt)} tokens exceeds the context's {self.n_cells} cells")
+        limit = self.cache.slot_cells  # a pin keeps the layout it was made in
+        if len(request.prompt) > limit:
+            raise RequestTooLarge(f"a pin of {len(request.prompt)} tokens exceeds a slot's {limit} cells")
         check_tokens(request, self.model.n_vocab)
         return self._enqueue(Pending(self._stream("pin", request, notify), [], pin=True))
 
@@ -145,9 +158,11 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._lock:
             queued = len(self._queue)
-        return EngineStats(self._steps, self._prefilled, self._reused, self.cache.restored_tokens, self._decoded,
-                           self._busy_s, self._decode_s, queued, len(self._live), self.cache.used_cells, self.n_cells,
-                           tuple(self.cache.describe()))
+        cache = self.cache
+        return EngineStats(self._steps, self._prefilled, self._reused, cache.restored_tokens, self._decoded,
+                           self._busy_s, self._decode_s, queued, len(self._live), cache.used_cells, cache.n_cells,
+                           tuple(cache.describe()), "unified" if cache.shared else "split", cache.slot_cells,
+                           self._relayouts)
 
     def close(self) -> None:
         """Stop the worker; waiting and running requests end with :class:`EngineClosed`."""
@@ -215,6 +230,7 @@ class Engine:
         self._admit()
         rows = self._fill()
         if not rows:
+            self._split_when_idle()
             return False
         t_decode = time.perf_counter()
         if self._decode(rows):
@@ -261,6 +277,8 @@ class Engine:
                     return
                 pending = self._queue[0]
             try:
+                if not self._layout_fits(pending):
+                    return
                 reserved = sum(live.future_cells() for live in self._live)
                 coming = max((common_prefix(x.prompt, pending.stream.request.prompt) for x in self._live
                               if x.prefilling), default=0)
@@ -291,7 +309,8 @@ class Engine:
         for live in prefilling[turn:] + prefilling[:turn]:
             owners.append((live, None))
             feeds.append(Feed(live.slot, 0, live.prompt, logits=not live.pin, done=live.prefilled))
-        landed = fill(self.batch, feeds, budget=self.ctx.n_batch, chunk=self.config.prefill_chunk)
+        landed = fill(self.batch, feeds, budget=self.ctx.n_batch, chunk=self.config.prefill_chunk,
+                      by_seq=not self.cache.shared)
         return [_Row(live, -1 if part.row is None else part.row, choice, part.p0, part.p1)
                 for (live, choice), part in zip(owners, landed)]
 
@@ -304,6 +323,7 @@ class Engine:
         for attempt in range(2):
             try:
                 self.ctx.decode(self.batch)
+                self.cache.settled()
                 return True
             except DecodeError as exc:
                 if attempt == 0 and exc.code == 1 and self.cache.evict_all():
@@ -325,7 +345,7 @@ class Engine:
             live.prefilled = r.p1
             self._prefilled += r.p1 - r.p0
             for choice in live.choices[1:]:
-                self.cache.copy_prefix(live.slot, choice.slot, r.p0, r.p1)
+                self.cache.follow(live.slot, choice.slot, r.p0, r.p1, complete=not live.prefilling)
             if live.request.after_chunk is not None:
                 try:
                     live.request.after_chunk(r.p0, r.p1)
@@ -359,6 +379,60 @@ class Engine:
     def _pick(self, live: Live, choice: Choice, row: int, greedy: dict[int, int]) -> None:
         token = greedy[row] if choice.sampler.plain_greedy else choice.sampler.sample(self.ctx, row)
         live.accept(choice, token, lambda: self.ctx.logits(row), self.cache)
+
+    # -- the KV layout (auto) ------------------------------------------------------------
+    def _layout_fits(self, pending: Pending) -> bool:
+        """Whether the head of the queue may be placed in the current layout; under ``auto`` the context turns
+        unified for a request that needs more than a slot's share once nothing runs (False: wait till then).
+        Raises :class:`RequestTooLarge` when pinned prefixes hold the split layout such a request cannot use."""
+        request = pending.stream.request
+        if self.cache.shared or fits_a_slot(request, self.cache):
+            return True
+        if self.cache.pinned:
+            raise RequestTooLarge(f"prompt ({len(request.prompt)} tokens) + max_tokens "
+                                  f"({request.params.max_tokens}) exceeds a slot's {self.cache.slot_cells} cells, "
+                                  "and pinned prefixes keep the context split; unpin them to run it")
+        if self._live:
+            return False
+        try:
+            self._relayout(shared=True)
+        except KvrtError as exc:
+            raise RequestTooLarge(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_tokens}) "
+                                  f"needs more than a slot's {self.cache.slot_cells} cells, and the context could "
+                                  f"not be made unified: {exc}") from exc
+        return True
+
+    def _split_when_idle(self) -> None:
+        """Under ``auto``, an idle unified context becomes split again when nothing it caches needs more."""
+        if (self.config.kv_layout != "auto" or not self.cache.shared or not self.config.split_cells
+                or self._live or self.cache.pinned or self._queue):
+            return
+        if all(self.cache.held(slot) <= self.config.split_cells for slot in range(self.cache.n_slots)):
+            try:
+                self._relayout(shared=False)
+            except KvrtError:
+                log.warning("the context could not be made split again; it stays unified", exc_info=True)
+                self.config = replace(self.config, kv_layout="unified")
+
+    def _relayout(self, *, shared: bool) -> None:
+        """Recreate the context in the other layout (nothing runs, nothing is pinned), dropping what it and the
+        host tier cache (see the module docstring). On failure the previous layout is made again."""
+        old = self.cache
+        if old.host is not None:
+            old.host.clear()
+        self.ctx.close()  # first: the device holds one layout's cells at a time
+        try:
+            self.ctx = Context(self.model, self.config.context_params(shared))
+        except KvrtError:
+            self.ctx = Context(self.model, self.config.context_params(old.shared))
+            self.cache = PrefixCache(self.ctx, old.host)
+            self.cache.restored_tokens = old.restored_tokens
+            raise
+        self.cache = PrefixCache(self.ctx, old.host)
+        self.cache.restored_tokens = old.restored_tokens
+        self._relayouts += 1
+        log.info("KV layout now %s: %d slots of %d cells", "unified" if shared else "split", self.cache.n_slots,
+                 self.cache.slot_cells)
 
     # -- endings ----------------------------------------------------------------------
     def _finish_all(self, live: Live, reason: str, error: KvrtError | None = None) -> None:

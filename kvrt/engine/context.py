@@ -204,11 +204,19 @@ class Context(OwnsHandle):
         self._wrote()
 
     def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        """Make ``dst`` share the cells of ``src`` in [p0, p1): metadata only, no KV copy."""
+        """Give ``dst`` the cells of ``src`` in [p0, p1).
+
+        Unified: ``dst`` shares those cells (metadata only, no KV copy). One stream per
+        sequence: llama.cpp copies ``src``'s whole stream over ``dst``'s on the device at
+        the next decode, which only a whole-sequence copy (``p0``, ``p1`` left at -1) may ask.
+        """
         self._check_seq(src)
         self._check_seq(dst)
         if src == dst:
             raise KvrtError(f"cannot copy sequence {src} onto itself")
+        if not self.params.kv_unified and self.n_seq_max > 1 and (p0 > 0 or p1 >= 0):
+            raise KvrtError(f"llama_memory_seq_cp of positions [{p0}, {p1}) from sequence {src} to {dst}: with one "
+                            "KV stream per sequence llama.cpp copies whole sequences only (p0 = p1 = -1)")
         lib().llama_memory_seq_cp(self._memory, src, dst, p0, p1)
         self._wrote()
 

@@ -52,26 +52,34 @@ class Landed:
     row: int | None
 
 
-def fill(batch: Batch, feeds: Iterable[Feed], *, budget: int, chunk: int) -> list[Landed]:
+def fill(batch: Batch, feeds: Iterable[Feed], *, budget: int, chunk: int, by_seq: bool = False) -> list[Landed]:
     """Lay out one step: each feed in order gets its next ``min(left, chunk, budget left)`` tokens.
 
     Invariant: the result is a prefix of ``feeds`` (the feed in ``result[i]`` is the
     i-th feed): filling stops at the first feed that gets no token. Put one-token feeds
     (sampled tokens) first so a long prompt never delays them; ``feeds`` are not changed
-    (:func:`advance` records what was decoded once the decode succeeded).
+    (:func:`advance` records what was decoded once the decode succeeded). ``by_seq`` lays
+    the rows out in sequence order (what is chosen stays the same): with a KV stream per
+    sequence llama.cpp computes a run of consecutive sequence ids in one micro-batch and
+    starts another at every break in the order.
     """
     batch.clear()
-    landed: list[Landed] = []
+    chosen: list[tuple[Feed, int]] = []
     for feed in feeds:
         take = min(feed.left, chunk, budget)
         if take <= 0:
             break
+        chosen.append((feed, take))
+        budget -= take
+    landed: list[Landed | None] = [None] * len(chosen)
+    order = sorted(range(len(chosen)), key=lambda i: chosen[i][0].seq) if by_seq else range(len(chosen))
+    for i in order:
+        feed, take = chosen[i]
         p0 = feed.pos + feed.done
         last = take == feed.left and feed.logits
         row = batch.add_sequence(feed.tokens[feed.done:feed.done + take], p0, feed.seq, logits_last=last)
-        landed.append(Landed(feed, p0, p0 + take, row if last else None))
-        budget -= take
-    return landed
+        landed[i] = Landed(feed, p0, p0 + take, row if last else None)
+    return [part for part in landed if part is not None]
 
 
 def advance(landed: Iterable[Landed]) -> None:

@@ -1,18 +1,29 @@
-"""The sequence slots of one unified-KV context, kept as a cache of token prefixes.
+"""The sequence slots of one context, kept as a cache of token prefixes.
 
-A context made with ``kv_unified=True`` and ``n_seq_max`` slots has one pool of
-``n_ctx`` cells. Every slot is ``free`` (holds nothing), ``active`` (a running
-sequence writes into it) or ``cached`` (a finished sequence left its cells there, so
-a later request that starts with the same tokens needs to prefill only the rest).
-Cached slots are evicted least recently used first; a ``pinned`` slot is cached and
-never evicted.
+A context has ``n_seq_max`` slots (llama.cpp sequences) laid out one of two ways:
+
+* **shared** (``kv_unified=True``): one pool of ``n_ctx`` cells. Slots share a
+  prefix by sharing its cells (``seq_cp`` is metadata only), but every sequence's
+  attention spans every used cell of the pool, its own or not.
+* **split** (``kv_unified=False``): one stream of ``n_ctx / n_seq_max`` cells per
+  slot. A sequence attends over its own stream only; sharing a prefix copies the
+  source's whole stream (``seq_cp`` across streams, done by llama.cpp on the device at
+  the next decode) and drops what is not shared (``seq_rm``).
+
+Every slot is ``free`` (holds nothing), ``active`` (a running sequence writes into it)
+or ``cached`` (a finished sequence left its cells there, so a later request that starts
+with the same tokens needs to prefill only the rest). Cached slots are evicted least
+recently used first; a ``pinned`` slot is cached and never evicted.
 
 :class:`PrefixCache` is the only code that changes the context's memory for the
-engine, and it mirrors each change exactly: a decoded row makes one new cell,
-``seq_cp`` makes the destination share the source's cells, ``seq_rm`` drops a slot's
-claim and a cell without claims is free (what llama.cpp's unified cache does). So
-:attr:`used_cells` is the real count of occupied cells, computed without asking
-llama.cpp, and admission can decide exactly what eviction would free.
+engine, and it mirrors each change exactly: a decoded row makes one new cell, a shared
+``seq_cp`` makes the destination share the source's cells and a split one gives it
+copies, ``seq_rm`` drops a slot's claim and a cell without claims is free (what
+llama.cpp's cache does). So :attr:`used_cells` is the real count of occupied cells,
+computed without asking llama.cpp, and admission can decide exactly what eviction would
+free. Invariant of the split layout: a stream copy is pending from ``seq_cp`` until the
+next successful decode (:meth:`settled`), so until then no slot it reads or writes is
+restored from or copied to the host (their device data is not what the mirror says yet).
 
 With a :class:`kvrt.engine.host_tier.HostTier` an evicted slot's state is first copied
 to host memory; :meth:`PrefixCache.restore` brings such a copy back into a slot.
@@ -51,13 +62,14 @@ class PrefixCache:
     """Slot states, the tokens each slot's cells hold, and the cells they share."""
 
     def __init__(self, ctx: Context, host: HostTier | None = None) -> None:
-        if not ctx.params.kv_unified:
-            raise KvrtError("a prefix cache needs a context with kv_unified=True (slots share one pool of cells)")
         self.ctx = ctx
         self.host = host
+        self.shared = ctx.params.kv_unified or ctx.n_seq_max == 1  # one pool of cells (else a stream per slot)
         self.restored_tokens = 0  # tokens brought back from the host tier instead of prefilled
         self.n_cells = ctx.n_ctx
+        self.slot_cells = ctx.n_ctx_seq  # the most one slot can hold: the pool, or its own stream
         self.n_slots = ctx.n_seq_max
+        self._unsettled: set[int] = set()  # split: slots a pending stream copy reads or writes
         self.state: list[SlotState] = ["free"] * self.n_slots
         self.pinned: set[int] = set()
         self._tokens: list[list[int]] = [[] for _ in range(self.n_slots)]
@@ -87,6 +99,21 @@ class PrefixCache:
                 if length > best_len:
                     best, best_len = slot, length
         return best, best_len
+
+    def held(self, slot: int) -> int:
+        """How many positions the slot holds."""
+        return len(self._tokens[slot])
+
+    def reusable(self, slot: int) -> bool:
+        """Whether the slot is cached and unpinned: a request may take it over or evict it."""
+        return slot in self._lru
+
+    def has_free_slot(self) -> bool:
+        return "free" in self.state
+
+    def next_victim(self) -> int | None:
+        """The cached slot :meth:`claim` would evict first (least recently used, unpinned), if any."""
+        return next(iter(self._lru), None)
 
     def available_slots(self) -> int:
         """Slots a new request could claim: free, or cached and not pinned."""
@@ -129,17 +156,38 @@ class PrefixCache:
         self.truncate(slot, keep)
 
     def copy_prefix(self, src: int, dst: int, p0: int, p1: int) -> None:
-        """``dst`` (holding exactly ``p0`` positions) shares ``src``'s cells of positions [p0, p1)."""
-        if len(self._tokens[dst]) != p0 or len(self._tokens[src]) < p1:
+        """``dst`` (holding exactly ``p0`` positions) gets ``src``'s positions [p0, p1): their cells when
+        shared; in the split layout a copy of ``src``'s stream cut at ``p1``, so ``p0`` must be 0."""
+        if len(self._tokens[dst]) != p0 or len(self._tokens[src]) < p1 or (p0 > 0 and not self.shared):
             raise KvrtError(f"cannot share positions [{p0}, {p1}) of slot {src} ({len(self._tokens[src])} held) "
-                            f"onto slot {dst} ({len(self._tokens[dst])} held)")
+                            f"onto slot {dst} ({len(self._tokens[dst])} held)"
+                            f"{'' if self.shared else '; one stream per slot copies a prefix whole, from 0'}")
         if p1 <= p0:
             return
-        self.ctx.seq_cp(src, dst, p0, p1)
-        cells = self._cells[src][p0:p1]
-        self._cells[dst].extend(cells)
-        self._tokens[dst].extend(self._tokens[src][p0:p1])
-        self._refs.update(cells)
+        if self.shared:
+            self.ctx.seq_cp(src, dst, p0, p1)
+            cells = self._cells[src][p0:p1]
+            self._cells[dst].extend(cells)
+            self._tokens[dst].extend(self._tokens[src][p0:p1])
+            self._refs.update(cells)
+            return
+        self.ctx.seq_cp(src, dst)  # the whole stream, copied on the device at the next decode
+        if p1 < len(self._tokens[src]):
+            self.ctx.seq_rm(dst, p1, -1)
+        self._unsettled.update((src, dst))
+        self.appended(dst, self._tokens[src][:p1])
+
+    def follow(self, src: int, dst: int, p0: int, p1: int, *, complete: bool) -> None:
+        """A fork ``dst`` keeps up with the prompt ``src`` is prefilling, whose positions [p0, p1) just landed
+        (``complete``: the prompt is all in). Shared: those cells now; split: the whole prompt once complete."""
+        if self.shared:
+            self.copy_prefix(src, dst, p0, p1)
+        elif complete:
+            self.copy_prefix(src, dst, 0, p1)
+
+    def settled(self) -> None:
+        """A decode succeeded: llama.cpp has done every pending stream copy."""
+        self._unsettled.clear()
 
     def appended(self, slot: int, tokens: Iterable[int]) -> None:
         """Record that a decode wrote ``tokens`` at the slot's next positions (one new cell each)."""
@@ -180,6 +228,8 @@ class PrefixCache:
         if self.state[slot] != "active" or self._tokens[slot]:
             raise KvrtError(f"a host copy is restored into an empty active slot; slot {slot} is {self.state[slot]} "
                             f"holding {len(self._tokens[slot])} positions")
+        if slot in self._unsettled:  # a pending stream copy would overwrite (or read) what the restore writes
+            return False
         try:
             self.ctx.seq_state_set(entry.state, slot)
         except KvrtError as exc:
@@ -205,8 +255,9 @@ class PrefixCache:
         self.state[slot] = "free"
 
     def evict_until(self, free_cells: int) -> bool:
-        """Evict least recently used unpinned cached slots until ``free_cells`` cells are free."""
-        while self.n_cells - self.used_cells < free_cells:
+        """Evict least recently used unpinned cached slots until ``free_cells`` cells are free (split: every
+        slot has its own cells, so there is nothing to free for another)."""
+        while self.shared and self.n_cells - self.used_cells < free_cells:
             if not self._lru:
                 return False
             self.evict(next(iter(self._lru)))
@@ -234,6 +285,8 @@ class PrefixCache:
 
     def _copy_to_host(self, slot: int) -> None:
         assert self.host is not None
+        if slot in self._unsettled:  # its device data is not what the mirror says until the next decode
+            return
         try:
             block = self.host.alloc(self.ctx.seq_state_size(slot))
         except KvrtError as exc:  # the allocator's limit

@@ -271,3 +271,6 @@ class EngineStats:
     used_cells: int
     n_cells: int
     slots: tuple[str, ...]
+    kv_layout: str  # "split" (a KV stream per slot) or "unified" (one pool), see EngineConfig.kv_layout
+    slot_cells: int  # the most one slot can hold in that layout
+    relayouts: int  # times the context was recreated in the other layout (kv_layout "auto")

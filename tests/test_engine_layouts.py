@@ -1,0 +1,155 @@
+"""The batching engine's KV layouts: a stream per slot (split), one pool (unified), and ``auto`` between them.
+
+References: each request alone in a fresh context (:func:`tests.test_batching.alone`);
+the tiny F32 model with flash attention off is exact under batching and prefix reuse, so
+tokens are compared for equality in both layouts. The engine's counters (prefilled,
+reused, restored tokens) say what was computed, and the prefix cache's mirror is checked
+against what llama.cpp holds for every slot.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from kvrt.engine.admission import EngineConfig
+from kvrt.engine.batching import Engine
+from kvrt.engine.requests import EngineError, Request, RequestTooLarge
+from kvrt.errors import KvrtError
+from tests.test_batching import WAIT_S, alone, engine, greedy
+
+LAYOUTS = ["split", "unified"]
+
+
+def private_histories(n_vocab: int, agents: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(3, n_vocab) for _ in range(length - 1)] for _ in range(agents)]
+
+
+def assert_mirror_matches_llama_cpp(eng: Engine) -> None:
+    for slot in range(eng.cache.n_slots):
+        assert eng.ctx.seq_len(slot) == eng.cache.held(slot), f"slot {slot}"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dropped", [0, 3])
+def test_follow_up_turns_reuse_their_whole_history_with_every_slot_taken(tiny_model, layout, dropped):
+    """As many agents as slots, two turns each, all at once. The second turn is the first's prompt, its reply
+    (less ``dropped`` final tokens: a client that trims the reply's end) and new tokens: every agent must find
+    its own history (nothing any other agent's turn evicted), so only the new tokens are prefilled."""
+    agents, gen = 6, 6
+    histories = private_histories(tiny_model.n_vocab, agents, 90)
+    rng = random.Random(1)
+    news = [[rng.randrange(3, tiny_model.n_vocab) for _ in range(12)] for _ in range(agents)]
+    with engine(tiny_model, n_ctx=agents * 256, n_seq_max=agents, n_batch=128, kv_layout=layout) as eng:
+        replies = [s.result(WAIT_S).choices[0].tokens
+                   for s in [eng.submit(Request(h, greedy(gen))) for h in histories]]
+        before = eng.stats()
+        turns = [h + r[:len(r) - dropped] + n for h, r, n in zip(histories, replies, news)]
+        seconds = [s.result(WAIT_S) for s in [eng.submit(Request(t, greedy(gen))) for t in turns]]
+        after = eng.stats()
+        assert after.kv_layout == layout
+        assert_mirror_matches_llama_cpp(eng)
+    kept = [len(h) + len(r) - max(dropped, 1) for h, r in zip(histories, replies)]  # the last reply token: never decoded
+    assert [s.end.cached_tokens for s in seconds] == kept
+    assert after.prefilled_tokens - before.prefilled_tokens == sum(len(t) - k for t, k in zip(turns, kept))
+    assert [s.choices[0].tokens for s in seconds] == [alone(tiny_model, t, greedy(gen)) for t in turns]
+
+
+def test_split_streams_share_a_preamble_by_copy_and_fork_choices_once_the_prompt_is_in(tiny_model):
+    """Split layout: requests starting with one preamble copy the first one's stream instead of prefilling it, and
+    ``n`` greedy choices fork the prompt once it is in; every choice equals the request alone."""
+    preamble = private_histories(tiny_model.n_vocab, 1, 120, seed=2)[0]
+    tails = private_histories(tiny_model.n_vocab, 3, 10, seed=3)
+    prompts = [preamble + t[1:] for t in tails]
+    with engine(tiny_model, n_ctx=4 * 256, n_seq_max=4, n_batch=64, prefill_chunk=32, kv_layout="split") as eng:
+        first = eng.submit(Request(prompts[0], greedy(5))).result(WAIT_S)
+        rest = [eng.submit(Request(p, greedy(5))).result(WAIT_S) for p in prompts[1:]]
+        forked = eng.submit(Request(prompts[2] + [7, 8, 9], greedy(5), n=3)).result(WAIT_S)
+        assert eng.stats().kv_layout == "split"
+        assert_mirror_matches_llama_cpp(eng)
+    assert [r.end.cached_tokens for r in rest] == [len(preamble), len(preamble)]
+    for prompt, result in zip(prompts, [first, *rest]):
+        assert result.choices[0].tokens == alone(tiny_model, prompt, greedy(5))
+    reference = alone(tiny_model, prompts[2] + [7, 8, 9], greedy(5))
+    assert [c.tokens for c in forked.choices] == [reference] * 3
+
+
+def test_auto_turns_unified_for_a_request_longer_than_a_slot_and_split_again_when_idle(tiny_model):
+    short = private_histories(tiny_model.n_vocab, 2, 40, seed=4)
+    long = private_histories(tiny_model.n_vocab, 1, 400, seed=5)[0]  # more than a slot's 256 cells
+    with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64, kv_layout="auto") as eng:
+        assert eng.stats().kv_layout == "split"
+        small = eng.submit(Request(short[0], greedy(4))).result(WAIT_S)
+        big = eng.submit(Request(long, greedy(4))).result(WAIT_S)
+        stats = eng.stats()
+        assert (stats.kv_layout, stats.slot_cells, stats.relayouts) == ("unified", 512, 1)
+        # the long history stays cached, so the context stays unified; two short ones evict it (LRU)
+        for history in short:
+            eng.submit(Request(history + [5, 6], greedy(4))).result(WAIT_S)
+        deadline = time.monotonic() + WAIT_S  # the idle worker makes it split within a step or two
+        while eng.stats().kv_layout != "split" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = eng.stats()
+        assert (stats.kv_layout, stats.slot_cells, stats.relayouts) == ("split", 256, 2)
+        again = eng.submit(Request(short[1] + [5, 6, 7], greedy(4))).result(WAIT_S)
+        assert_mirror_matches_llama_cpp(eng)
+    assert small.choices[0].tokens == alone(tiny_model, short[0], greedy(4))
+    assert big.choices[0].tokens == alone(tiny_model, long, greedy(4))
+    assert again.choices[0].tokens == alone(tiny_model, short[1] + [5, 6, 7], greedy(4))
+
+
+def test_a_switch_drops_the_cache_and_a_returning_conversation_is_prefilled_exactly(tiny_model):
+    """llama.cpp refuses a sequence state saved in the other layout (its stream count differs): the switch
+    drops the host tier's copies, so the next turn is prefilled (not restored), with the right tokens."""
+    short = private_histories(tiny_model.n_vocab, 1, 60, seed=6)[0]
+    long = private_histories(tiny_model.n_vocab, 1, 400, seed=7)[0]
+    with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64, host_bytes=1 << 26) as eng:
+        reply = eng.submit(Request(short, greedy(4))).result(WAIT_S).choices[0].tokens
+        eng.submit(Request(long, greedy(4))).result(WAIT_S)
+        turn = short + reply + [9, 10]
+        before = eng.stats()
+        again = eng.submit(Request(turn, greedy(4))).result(WAIT_S)
+        after = eng.stats()
+        assert len(eng.cache.host) == 0
+    assert (before.relayouts, after.restored_tokens) == (1, 0)
+    assert again.end.cached_tokens == 1  # the BOS cell the long history shares with it
+    assert again.choices[0].tokens == alone(tiny_model, turn, greedy(4))
+
+
+def test_a_fixed_split_layout_refuses_what_exceeds_a_slot_naming_the_limit(tiny_model):
+    with engine(tiny_model, n_ctx=1024, n_seq_max=4, kv_layout="split") as eng:
+        with pytest.raises(RequestTooLarge, match=r"exceeds a slot's 256 cells \(kv_layout 'split': 1024 cells over 4"):
+            eng.submit(Request(list(range(1, 250)), greedy(16)))
+        ok = eng.submit(Request([1, 2, 3], greedy(4))).result(WAIT_S)  # nothing else was disturbed
+    assert len(ok.choices[0].tokens) == 4
+
+
+def test_pins_keep_the_split_layout_and_a_longer_request_is_refused(tiny_model):
+    with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64) as eng:
+        pin = eng.pin([1, 5, 6, 7])
+        pin.result(WAIT_S)
+        with pytest.raises(RequestTooLarge, match="pinned prefixes keep the context split; unpin them"):
+            eng.submit(Request(list(range(3, 400)), greedy(4))).result(WAIT_S)
+        assert eng.stats().kv_layout == "split"
+        assert eng.unpin(pin.id).result(WAIT_S)
+
+
+def test_layout_configuration_is_checked_before_anything_is_allocated(tiny_model):
+    with pytest.raises(EngineError, match="kv_layout must be one of auto, split, unified"):
+        EngineConfig(kv_layout="paged")
+    with pytest.raises(EngineError, match="n_ctx=512 leaves none; give at least 1024 cells"):
+        EngineConfig(n_ctx=512, n_seq_max=4, kv_layout="split")
+    assert EngineConfig(n_ctx=512, n_seq_max=4).starts_shared()  # auto: too few cells to split
+    assert EngineConfig(n_ctx=163840, n_seq_max=32).split_cells == 5120
+
+
+def test_a_partial_copy_between_streams_is_refused_before_llama_cpp_asserts(tiny_model):
+    from kvrt.engine.context import Context, ContextParams
+
+    with Context(tiny_model, ContextParams(n_ctx=512, n_seq_max=2, kv_unified=False)) as ctx:
+        with pytest.raises(KvrtError, match="copies whole sequences only"):
+            ctx.seq_cp(0, 1, 0, 10)
+        ctx.seq_cp(0, 1)  # a whole sequence is fine
