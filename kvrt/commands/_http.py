@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # the serve extra's imports wait until --http is used
     from kvrt.engine.batching import Engine
     from kvrt.engine.model import Model
     from kvrt.serve.openai_server import OpenAIServer
+    from kvrt.state.hostpool import HostPool
 
 DESCRIPTION = """With --http HOST:PORT, serve one or more GGUF models over HTTP with OpenAI's
 API: /v1/models, /v1/completions and /v1/chat/completions (streaming, n, logprobs, stop, seed,
@@ -31,11 +32,14 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--model", metavar="PATH", action="append", default=argparse.SUPPRESS,
                        help="a GGUF file to serve; repeat for several models (none given: the demo model)")
     group.add_argument("--n-ctx", type=int, default=4096,
-                       help="token cells per model, shared by all its requests (prompt and output)")
+                       help="token cells per model for all its requests (prompt and output), laid out by --kv-layout")
     group.add_argument("--slots", type=int, default=8, help="requests (or choices) decoded together per model")
     group.add_argument("--n-batch", type=int, default=512, help="most tokens computed in one step")
     group.add_argument("--prefill-chunk", type=int, default=256,
                        help="most prompt tokens one request computes per step, so long prompts do not stall others")
+    group.add_argument("--host-mib", type=int, default=2048,
+                       help="host memory (pinned on a GPU machine) for copies of conversations evicted from a model's "
+                            "context, restored when they return instead of prefilled again (0: recompute them)")
     group.add_argument("--max-queue", type=int, default=64,
                        help="requests waiting per model before new ones get HTTP 503")
     group.add_argument("--flash-attn", choices=tuple(FLASH_ATTN), default="auto", help="llama.cpp flash attention")
@@ -56,24 +60,27 @@ def parse_address(text: str) -> tuple[str, int]:
 
 @dataclass
 class HttpFront:
-    """A started HTTP server and what it owns; :meth:`close` stops it, then frees engines and models."""
+    """A started HTTP server and what it owns; :meth:`close` stops it, then frees engines, models and host memory."""
 
     server: OpenAIServer
     address: tuple[str, int]
     engines: dict[str, Engine] = field(default_factory=dict)
     models: list[Model] = field(default_factory=list)
+    host: HostPool | None = None
 
     def close(self) -> None:
         self.server.stop()
-        _free(self.engines, self.models)
+        _free(self.engines, self.models, self.host)
 
 
-def _free(engines: dict[str, Engine], models: list[Model]) -> None:
-    """Close the engines, then the models they run on."""
+def _free(engines: dict[str, Engine], models: list[Model], host: HostPool | None) -> None:
+    """Close the engines, then the models they run on, then the host pool their tiers drew on."""
     for engine in engines.values():
         engine.close()
     for model in models:
         model.close()
+    if host is not None:
+        host.clear()
 
 
 def start_http(args: argparse.Namespace) -> HttpFront:
@@ -83,25 +90,29 @@ def start_http(args: argparse.Namespace) -> HttpFront:
     from kvrt.engine.model import Model
     from kvrt.modelfiles.demo_model import demo_model_path
     from kvrt.serve.openai_server import OpenAIServer
+    from kvrt.state.hostpool import HostPool
 
-    host, port = parse_address(args.http)
+    host_name, port = parse_address(args.http)
     paths = [Path(p) for p in getattr(args, "model", None) or [demo_model_path()]]
     names = [p.stem for p in paths]
     if len(set(names)) != len(names):
         raise KvrtError(f"two models would share a name (the file stem): {names}")
+    if args.host_mib < 0:
+        raise KvrtError(f"--host-mib must be >= 0, got {args.host_mib}")
     config = EngineConfig(n_ctx=args.n_ctx, n_seq_max=args.slots, n_batch=args.n_batch,
                           prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
-                          flash_attn=args.flash_attn)
+                          flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout)
+    host = HostPool(max_cached_bytes=config.host_bytes)  # pinned on a GPU machine: fast restores
     models: list[Model] = []
     engines: dict[str, Engine] = {}
     try:
         for name, path in zip(names, paths):
             models.append(Model(path, n_gpu_layers=args.n_gpu_layers))
-            engines[name] = Engine(models[-1], config)
+            engines[name] = Engine(models[-1], config, host_alloc=host.acquire)
         server = OpenAIServer(engines, default_max_tokens=args.max_tokens,
                               request_timeout_s=getattr(args, "request_timeout_s", None))
-        address = server.start(host, port)
+        address = server.start(host_name, port)
     except BaseException:
-        _free(engines, models)
+        _free(engines, models, host)
         raise
-    return HttpFront(server, address, engines, models)
+    return HttpFront(server, address, engines, models, host)

@@ -41,6 +41,7 @@ log = logging.getLogger("kvrt.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvrt.engine.admission import KV_LAYOUTS
     from kvrt.serve.daemon import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_STOP_TIMEOUT_S
 
     where = parser.add_argument_group("where to listen (one of)")
@@ -73,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-host-mib", type=int, default=2048,  # BatchConfig.host_bytes
                         help="host memory for copies of agents' histories evicted from the batch context, restored "
                              "when the agent returns instead of prefilled again (0: recompute them)")
+    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="auto",
+                        help="a shared context's KV cells (--batch-slots, --http): split gives each slot a stream of "
+                             "cells / slots, so a sequence attends over its own history only (llama-server's default); "
+                             "unified pools them, so one request may use them all and prefixes are shared without a "
+                             "copy, but every sequence attends over every used cell; auto runs split and turns unified "
+                             "while a request needs more than a slot's share")
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="clients served at once; more get ERR TOO_MANY_CONNECTIONS")
     parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
@@ -120,7 +127,7 @@ def _run_socket(args: argparse.Namespace) -> int:
     if args.batch_slots:
         scheduler = BatchedScheduler(ledger, registry, config=BatchConfig(
             n_ctx=args.batch_cells, n_seq_max=args.batch_slots, n_threads=args.threads,
-            host_bytes=args.batch_host_mib << 20), state_dir=args.state_dir)
+            host_bytes=args.batch_host_mib << 20, kv_layout=args.kv_layout), state_dir=args.state_dir)
     else:
         scheduler = Scheduler(ledger, registry, n_threads=args.threads, state_dir=args.state_dir,
                               prefetch=args.prefetch)

@@ -80,11 +80,12 @@ class BatchConfig:
     n_threads: int | None = None
     flash_attn: str = "auto"
     host_bytes: int = 2 << 30  # host copies of agents' evicted histories: a returning agent is restored, not re-prefilled
+    kv_layout: str = "auto"  # EngineConfig.kv_layout
 
     def engine(self) -> EngineConfig:
         return EngineConfig(n_ctx=self.n_ctx, n_seq_max=self.n_seq_max, n_batch=self.n_batch,
                             prefill_chunk=self.prefill_chunk, max_queue=1 << 20, n_threads=self.n_threads,
-                            flash_attn=self.flash_attn, host_bytes=self.host_bytes)
+                            flash_attn=self.flash_attn, host_bytes=self.host_bytes, kv_layout=self.kv_layout)
 
 
 @dataclass
