@@ -69,7 +69,7 @@ def test_a_later_turn_is_the_previous_prompt_the_completion_and_new_tokens(tiny_
 
 def _turn(agent: int, turn: int, ttft_ms: float, tokens: int, expected: int = 4, error: str | None = None):
     return TurnResult(agent, turn, 10, expected, sent_s=1.0, first_s=1.0 + ttft_ms / 1e3, end_s=2.0,
-                      tokens=list(range(tokens)), error=error)
+                      tokens=list(range(tokens)), error=error, received=tokens)
 
 
 def test_metrics_give_percentiles_per_turn_and_count_lost_tokens():
@@ -146,6 +146,7 @@ def test_both_arms_on_the_tiny_model_when_llama_server_is_found(tiny_model_path,
     assert {r["arm"] for r in result["rounds"]} == {"kvrt", "llama-server"}
     assert all(r["lost_tokens"] == 0 for r in result["rounds"])
     # both arms mapped the one libllama (llama-server through LD_LIBRARY_PATH)
-    assert result["libraries"]["kvrt"] == result["libraries"]["llama-server"]
+    digests = {arm: set(files.values()) for arm, files in result["libraries"].items()}
+    assert len(digests["kvrt"]) == 1 and digests["kvrt"] == digests["llama-server"]
     assert "kvrt_over_llama_server_wall" in result["summary"]["N=2 swarm"]
     assert os.path.exists(tmp_path / "peer" / "peer.png")

@@ -25,7 +25,9 @@ from kvrt_bench._peer_workloads import Workload
 @dataclass
 class TurnResult:
     """One request: whose (``agent``, ``turn``), how long its prompt was, when it was sent, when its first token
-    and its end arrived (``time.perf_counter()`` seconds), the ids received, and what the server reported."""
+    and its end arrived (``time.perf_counter()`` seconds), the completion's ids (what the next turn's prompt
+    extends), and what the server reported. ``received`` output tokens: the ids streamed, or, where the stream
+    left ids out but sent all the text (``retokenized``), the count the server reported."""
 
     agent: int
     turn: int
@@ -40,6 +42,7 @@ class TurnResult:
     cached: int | None = None  # prompt tokens the server reported as cached
     error: str | None = None
     retokenized: bool = False  # the stream's ids had a gap; the ids are the server's tokenization of the text
+    received: int = 0
 
     @property
     def ttft_ms(self) -> float | None:
@@ -48,7 +51,7 @@ class TurnResult:
     @property
     def lost(self) -> int:
         """Output tokens asked for and not received."""
-        return max(0, self.expected - len(self.tokens))
+        return max(0, self.expected - self.received)
 
     @property
     def complete(self) -> bool:
@@ -94,6 +97,7 @@ def stream_turn(endpoint: Endpoint, agent: int, turn: int, prompt: list[int], ma
         result.error = f"{type(exc).__name__}: {exc}"
     finally:
         result.end_s = time.perf_counter()
+        result.received = len(result.tokens)
         conn.close()
     if result.error is None and result.reported is not None and len(result.tokens) < result.reported:
         endpoint.fill_gap(result)
@@ -145,7 +149,7 @@ def turn_metrics(results: Sequence[TurnResult], n_agents: int, turns: int, gen: 
                  wall_s: float) -> dict[str, Any]:
     """A workload's figures: wall time, output tokens/s, TTFT p50/p99 per turn (1-based), and what was lost:
     tokens of requests never sent (an agent stopped early) count too."""
-    received = sum(len(r.tokens) for r in results)
+    received = sum(r.received for r in results)
     expected = n_agents * turns * gen
     out: dict[str, Any] = {"wall_s": wall_s, "output_tokens": received, "output_tokens_per_s": received / wall_s,
                            "requests": len(results), "requests_expected": n_agents * turns,

@@ -4,7 +4,8 @@ Both arms load the one libllama: ``kvrt serve`` loads llama-cpp-python's (kvrt's
 find it in ``llama_cpp/lib``), and llama-server (built by ``tools/build_llama_server.sh``
 from the same llama.cpp source, shared libraries) runs with ``LD_LIBRARY_PATH`` set to
 that folder, so its libllama/libggml SONAMEs resolve there too. After a server answers its
-health check, the libllama files it mapped are read from ``/proc/PID/maps`` and recorded.
+health check, the libllama files it mapped are read from ``/proc/PID/maps`` and recorded
+with their SHA-256.
 
 kvrt's stream carries every token's id (``return_tokens``); llama-server's OpenAI stream
 does not, but with ``verbose`` every chunk holds its native form under ``__verbose``,
@@ -16,9 +17,10 @@ the turn is counted as ``retokenized``.
 
 from __future__ import annotations
 
-import importlib.util
+import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -37,6 +39,8 @@ LLAMA_SERVER_ENV = "KVRT_LLAMA_SERVER"
 BATCHED_BENCH_ENV = "KVRT_BATCHED_BENCH"
 HOST = "127.0.0.1"
 UBATCH = 512
+BENCH_ATTEMPTS = 3
+LIBLLAMA = re.compile(r"/libllama\.so[.0-9]*$")
 
 
 class PeerError(KvrtError):
@@ -72,14 +76,10 @@ def find_batched_bench(explicit: str | None, server: Path) -> Path | None:
 
 
 def llama_lib_dir() -> Path:
-    """llama-cpp-python's ``llama_cpp/lib``: the libllama kvrt loads (found without importing the package)."""
-    spec = importlib.util.find_spec("llama_cpp")
-    if spec is None or spec.origin is None:
-        raise PeerError("llama_cpp is not installed: kvrt's arm and the libllama both arms share come from it")
-    lib = Path(spec.origin).parent / "lib"
-    if not any(lib.glob("libllama*")):
-        raise PeerError(f"no libllama in {lib}")
-    return lib
+    """The folder of the libllama kvrt loads (llama-cpp-python's ``llama_cpp/lib``, or ``$KVRT_LLAMA_LIB_DIR``)."""
+    from kvrt.bindings import library_dir
+
+    return library_dir()
 
 
 def shared_library_env(lib: Path) -> dict[str, str]:
@@ -128,7 +128,7 @@ class ServerArm:
     port: int
     model_name: str
     process: subprocess.Popen[bytes] | None = None
-    libraries: list[str] = field(default_factory=list)
+    libraries: dict[str, str] = field(default_factory=dict)
     host: str = HOST
     _log: IO[bytes] | None = None
 
@@ -203,6 +203,7 @@ class ServerArm:
         answer = http_json(self.port, "/tokenize", {"content": result.text, "add_special": False,
                                                     "parse_special": False})
         result.tokens, result.retokenized = [int(t) for t in answer["tokens"]], True
+        result.received = result.reported or 0
 
     def kvrt_stats(self) -> dict[str, Any]:
         """kvrt's engine counters for the model (``GET /v1/kvrt/stats``); empty for llama-server."""
@@ -234,13 +235,16 @@ def llama_server_arm(config: ServerConfig, binary: Path, lib: Path, unified: boo
     return ServerArm(name, argv + config.extra, shared_library_env(lib), "/health", port, config.model.stem)
 
 
-def mapped_libllama(pid: int) -> list[str]:
-    """Paths of the libllama files process ``pid`` has mapped (empty where /proc cannot tell)."""
+def mapped_libllama(pid: int) -> dict[str, str]:
+    """The libllama files process ``pid`` has mapped, each with its SHA-256 (a wheel ships ``libllama.so`` and
+    its SONAME ``libllama.so.0`` as copies, so the same library can show under two names); empty where /proc
+    cannot tell."""
     try:
         maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
-        return []
-    return sorted({line.split()[-1] for line in maps.splitlines() if "libllama" in line.split()[-1]})
+        return {}
+    paths = {line.split()[-1] for line in maps.splitlines() if LIBLLAMA.search(line)}
+    return {path: hashlib.sha256(Path(path).read_bytes()).hexdigest() for path in sorted(paths)}
 
 
 def _tail(path: Path, lines: int = 8) -> str:
@@ -264,11 +268,15 @@ def batched_bench(binary: Path, lib: Path, config: ServerConfig, prompt: int, ge
     out: dict[str, Any] = {"argv": " ".join(argv), "prompt": prompt, "gen": gen, "n": config.slots, "shared": shared}
     if need > config.cells:
         return out | {"skipped": f"needs {need} cells ({config.slots} x {prompt + gen}), has {config.cells}"}
-    try:
-        run = subprocess.run(argv, capture_output=True, text=True, env=shared_library_env(lib), timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return out | {"skipped": f"did not finish within {timeout_s:.0f} s"}
-    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    for _ in range(BENCH_ATTEMPTS):  # its result line, printed by llama.cpp's log thread, was seen missing once
+        try:
+            run = subprocess.run(argv, capture_output=True, text=True, env=shared_library_env(lib),
+                                 timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return out | {"skipped": f"did not finish within {timeout_s:.0f} s"}
+        rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+        if run.returncode != 0 or rows:
+            break
     if run.returncode != 0 or not rows:
         return out | {"skipped": f"exit code {run.returncode}: {run.stderr.strip().splitlines()[-3:]}"}
     row = rows[-1]

@@ -8,7 +8,10 @@ workloads of :mod:`kvrt_bench._peer_workloads` one after another (fanout, swarm,
 private: N agents at once, greedy, streamed, token-id prompts, ``max_tokens`` output
 tokens a turn with end-of-generation ignored), and is killed. Arms alternate between
 ``--rounds``. A later turn's prompt is the previous prompt, the previous completion's ids
-as that server streamed them, and new tokens.
+as that server streamed them, and new tokens. llama-server's stream leaves out the id of
+a token whose text ends inside a UTF-8 character; for such a turn the ids are
+llama-server's ``/tokenize`` of the completion's text (not always the ids it generated),
+and the turn is counted in ``retokenized_requests``.
 
 Per workload and arm: wall time, output tokens/s, TTFT p50/p99 per turn, output tokens
 lost (every request must return all of them), prompt tokens the server reported as
@@ -149,7 +152,7 @@ def _measure(arm: ServerArm, workload: Workload, timeout_s: float) -> tuple[dict
     ttft = " ".join(f"t{t + 1} {row[f'ttft_p50_ms_turn{t + 1}']:.0f}/{row[f'ttft_p99_ms_turn{t + 1}']:.0f}"
                     for t in range(s.turns))
     log(f"  {arm.name:>20} {workload.name:>8}: {wall:7.2f} s, {row['output_tokens_per_s']:7.1f} tok/s, "
-        f"TTFT p50/p99 ms {ttft}, lost {row['lost_tokens']}"
+        f"TTFT p50/p99 ms {ttft}, lost {row['lost_tokens']}, retokenized {row['retokenized_requests']}"
         + (f", kvrt prefilled {row['kvrt_prefilled_tokens']} reused {row['kvrt_reused_tokens']}"
            if "kvrt_prefilled_tokens" in row else ""))
     return row, results
@@ -238,7 +241,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _request_row(r: TurnResult) -> dict[str, Any]:
     return {"agent": r.agent, "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens, "ttft_ms": r.ttft_ms,
-            "latency_ms": (r.end_s - r.sent_s) * 1e3, "tokens": len(r.tokens), "reported": r.reported,
+            "latency_ms": (r.end_s - r.sent_s) * 1e3, "received": r.received, "reported": r.reported,
+            "completion_ids": len(r.tokens),
             "cached": r.cached, "retokenized": r.retokenized, "error": r.error}
 
 
