@@ -154,6 +154,17 @@ def test_completion_logprobs(client, served):
     assert "".join(lp.tokens) == response.choices[0].text
 
 
+
+def test_return_tokens_gives_the_choice_token_ids_whole_and_streamed(client, served, tiny_model):
+    prompt = tiny_model.tokenize("Token ids in, token ids out", parse_special=True)
+    base = dict(model=served["tiny"], prompt=prompt, max_tokens=8, temperature=0, extra_body={"return_tokens": True,
+                                                                                                "ignore_eos": True})
+    whole = client.completions.create(**base).choices[0]
+    streamed = [t for c in client.completions.create(**base, stream=True) if c.choices
+                for t in c.choices[0].model_extra["tokens"]]
+    expected = reference(tiny_model, prompt, 8, temperature=0.0).tokens
+    assert whole.model_extra["tokens"] == streamed == expected and len(expected) == 8
+
 def test_stop_strings_cut_the_text(client, served):
     base = dict(model=served["tiny"], prompt="Another prompt that is longer", max_tokens=24, temperature=0)
     full = client.completions.create(**base).choices[0].text

@@ -99,3 +99,15 @@ def test_a_running_turn_stops_at_its_deadline(tiny_model_path):
         result = sched.submit("a", PROMPT, N_TOKENS, deadline=time.monotonic() + 0.2,
                               on_text=lambda piece: time.sleep(0.1)).result(timeout=120)
     assert result.finish_reason == "deadline" and len(result.tokens) < N_TOKENS
+
+
+def test_ignore_eos_keeps_an_end_of_generation_token_as_output(tiny_model):
+    from kvrt.engine.generation import SequenceStream
+
+    eos = 2  # the test model's end-of-sequence id (testmodels.write_model)
+    assert tiny_model.is_eog(eos)
+    ending, going_on = (SequenceStream(tiny_model, GenerationParams(max_tokens=3, ignore_eos=flag))
+                        for flag in (False, True))
+    assert ending.accept(eos) and ending.finish_reason == "eog" and ending.tokens == []
+    assert [going_on.accept(t) for t in (eos, 5, eos)] == [False, False, True]
+    assert going_on.finish_reason == "length" and going_on.tokens == [eos, 5, eos]

@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The whole GPU run, on the GPU machine, from the repo root, with .gpu-carry/ carried
 # (made by tools/prepare_device.sh). Usage:  bash tools/device_run.sh [early|late|all]
-#   early: install kvrt, build llama-cpp-python with CUDA in the background, generate the
-#          benchmark models, run the steps that need no llama.cpp (tools/device_steps/early/)
+#   early: install kvrt, build llama.cpp with CUDA in the background (standalone CMake: libllama, llama-server,
+#          llama-batched-bench; llama-cpp-python's pure-Python llama_cpp/ installed with those libraries in its
+#          lib/, so kvrt and llama-server run the same libllama), generate the benchmark models, run the steps
+#          that need no llama.cpp (tools/device_steps/early/)
 #   late:  wait for the build, run the llama.cpp GPU tests and tools/device_steps/late/
 #          (the streamer, elastic and ledger GPU tests run inside their own step scripts)
 # A machine kept warm between two calls keeps /tmp, so `early` then `late` build once.
 # Everything lands in $RESULTS and is packed into $OUT/results.tgz (+ $OUT/summary.txt).
 # Knobs: DEADLINE_S=N (seconds from the start): every step's time limit is cut to what is left before it
 # (minus PACK_MARGIN_S, default 15), steps with no time left are skipped, so results.tgz is always written
-# inside the call's limit. SKIP_STEP="name ..." skips those step scripts, SKIP_STEPS=1 all of them, SKIP_BASICS=1 the
+# inside the call's limit. SKIP_STEP="name ..." skips those step scripts, ONLY_STEP="name ..." runs only those,
+# SKIP_STEPS=1 none of them, SKIP_BASICS=1 the
 # import-order probe and the llama.cpp GPU tests (GPU_TESTS: their files; GPU_MARK= runs all of their tests,
 # not only -m gpu). GPU_SUITE=1 also runs the whole test suite (logs suite-llama.log, suite-kernels.log).
 # The CUDA build cannot travel back to skip the ~250 s build next time: xz -6 makes it 116 MB, over what a call
@@ -21,6 +24,8 @@ ROOT=$(pwd)
 OUT=${OUT:-/tmp/kvrt-out}
 export RESULTS=${RESULTS:-/tmp/kvrt-results} MODELS=${MODELS:-/tmp/kvrt-models}
 SITE=/tmp/kvrt-site
+LLAMA_BUILD=/tmp/llama-build
+export KVRT_LLAMA_SERVER=${KVRT_LLAMA_SERVER:-$LLAMA_BUILD/bin/llama-server}   # for `kvrt bench peer` (80-peer)
 export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTHONSAFEPATH=1 PATH=$SITE/bin:$PATH
 mkdir -p "$OUT" "$RESULTS" "$MODELS" "$SITE"
 summary="$RESULTS/summary.txt"
@@ -33,18 +38,23 @@ install_python_deps() {
     && note "kvrt installed into $SITE"
 }
 
-build_llama() {
-  if python3 -c "import llama_cpp" 2>/dev/null && [ -f "$SITE/.llama-cuda" ]; then
-    note "llama-cpp-python (CUDA) already built"; return 0
+build_llama() {  # llama.cpp with CUDA, standalone: libllama + llama-server + llama-batched-bench, one build
+  if python3 -c "import llama_cpp" 2>/dev/null && [ -f "$SITE/.llama-cuda" ] && [ -x "$LLAMA_BUILD/bin/llama-server" ]; then
+    note "llama.cpp (CUDA) already built"; return 0
   fi
   rm -rf /tmp/llama-src && mkdir -p /tmp/llama-src && tar -C /tmp/llama-src -xzf .gpu-carry/llama-cpp-python.tar.gz
   local t0=$SECONDS
-  CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAVA_BUILD=OFF -DGGML_NATIVE=OFF ${LLAMA_CMAKE_EXTRA:-}" \
-  CMAKE_BUILD_PARALLEL_LEVEL=$(( $(nproc) - 1 )) \
-    python3 -m pip install --no-build-isolation --no-deps --no-compile --upgrade --target "$SITE" /tmp/llama-src \
-    > "$RESULTS/llama-build.log" 2>&1 \
-    && touch "$SITE/.llama-cuda" && note "llama-cpp-python CUDA build ok in $((SECONDS - t0)) s" \
-    || note "llama-cpp-python CUDA build FAILED after $((SECONDS - t0)) s (see llama-build.log)"
+  # llama-cpp-python's pure-Python llama_cpp/ with the build's shared libraries in its lib/: `import llama_cpp`
+  # and kvrt's bindings load that libllama, and llama-server links the same files (no pip build needed)
+  { cmake -S /tmp/llama-src/vendor/llama.cpp -B "$LLAMA_BUILD" -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 \
+      -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DCMAKE_BUILD_TYPE=Release \
+      ${LLAMA_CMAKE_EXTRA:-} \
+    && cmake --build "$LLAMA_BUILD" -j "$(( $(nproc) - 1 ))" --target llama llama-server llama-batched-bench \
+    && rm -rf "$SITE/llama_cpp" && cp -r /tmp/llama-src/llama_cpp "$SITE/llama_cpp" && mkdir -p "$SITE/llama_cpp/lib" \
+    && cp -a "$LLAMA_BUILD"/bin/*.so* "$SITE/llama_cpp/lib/"; } > "$RESULTS/llama-build.log" 2>&1 \
+    && touch "$SITE/.llama-cuda" && note "llama.cpp CUDA build (libllama, llama-server, llama-batched-bench) ok in $((SECONDS - t0)) s" \
+    || note "llama.cpp CUDA build FAILED after $((SECONDS - t0)) s (see llama-build.log)"
 }
 
 make_models() {
@@ -70,6 +80,9 @@ run_steps() {  # every script in tools/device_steps/$1, each with its own log an
     [ -e "$step" ] || continue
     name=$(basename "$step" .sh); t0=$SECONDS
     case " ${SKIP_STEP:-} " in *" $name "*) note "step $name: skipped (SKIP_STEP)"; continue ;; esac
+    if [ -n "${ONLY_STEP:-}" ]; then
+      case " $ONLY_STEP " in *" $name "*) ;; *) continue ;; esac
+    fi
     limit=$(step_limit)
     [ "$limit" -gt 5 ] || { note "step $name: skipped (DEADLINE_S: ${limit} s left)"; continue; }
     timeout "$limit" bash "$step" > "$RESULTS/step-$name.log" 2>&1

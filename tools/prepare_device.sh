@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Prepare .gpu-carry/ on a machine with network, for a GPU machine without one:
-#   - llama-cpp-python's source, trimmed to what a CUDA build needs (the full sdist is
-#     over the 64 MiB that travels with a run);
-#   - wheels of the Python packages kvrt needs that the GPU machine's image lacks.
+#   - llama-cpp-python's source, trimmed to what a CUDA build of llama.cpp with llama-server and
+#     llama-batched-bench needs (the full sdist is over the 64 MiB that travels with a run): its
+#     pure-Python llama_cpp/ package and vendor/llama.cpp less models, docs, tests, examples and the
+#     like, keeping tools/ (server, batched-bench, ui and the tools/CMakeLists.txt that adds them all)
+#     and scripts/*.cmake (ui-assets.cmake); about 10 MB;
+#   - wheels of the Python packages kvrt needs that the GPU machine's image lacks (the serve extra's too,
+#     for `kvrt serve --http` in `kvrt bench peer`).
 # Then run tools/device_run.sh there with .gpu-carry carried along.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,21 +17,26 @@ mkdir -p "$carry/wheels"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-if [ ! -f "$carry/llama-cpp-python.tar.gz" ]; then
+tarball="$carry/llama-cpp-python.tar.gz"
+# a tarball from before llama-server was built there lacks tools/server: make it again
+if [ ! -f "$tarball" ] || ! tar -tzf "$tarball" | grep -q 'vendor/llama.cpp/tools/server/CMakeLists.txt$'; then
   python3 -m pip download -q --no-deps --no-binary=:all: -d "$work" "llama-cpp-python==$LLAMA_VERSION"
   tar -C "$work" -xzf "$work"/llama_cpp_python-*.tar.gz
   src=$(echo "$work"/llama_cpp_python-*/)
   rm -rf "$src"/{.git,docs,examples,tests,docker}
   v="$src/vendor/llama.cpp"
-  rm -rf "$v"/{models,docs,media,.github,benches,tests,examples,pocs,gguf-py,conversion,scripts,.devops,app,requirements}
-  find "$v/tools" -mindepth 1 -maxdepth 1 ! -name mtmd ! -name CMakeLists.txt -exec rm -rf {} +
-  tar -C "$src" -czf "$carry/llama-cpp-python.tar.gz" .
+  rm -rf "$v"/{models,docs,media,.github,benches,tests,examples,pocs,gguf-py,conversion,.devops,app,requirements}
+  find "$v/scripts" -mindepth 1 -maxdepth 1 ! -name '*.cmake' -exec rm -rf {} +
+  tar -C "$src" -czf "$tarball" .
 fi
 
 platforms=()
 for n in 17 24 27 28 31 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_64"); done
 platforms+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
-for req in "cffi>=1.16" "pycparser" "gguf==0.19.0" "diskcache==5.6.3"; do
+serve=("fastapi==0.165.0" "starlette==1.10.0" "pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types"
+       "annotated-doc" "typing-inspection" "typing-extensions>=4.16" "uvicorn==0.55.0" "opentelemetry-api" "h11"
+       "click" "anyio" "idna" "sniffio")
+for req in "cffi>=1.16" "pycparser" "gguf==0.19.0" "diskcache==5.6.3" "${serve[@]}"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY" --implementation cp \
     "${platforms[@]}" --platform any -d "$carry/wheels" "$req"
 done

@@ -22,7 +22,8 @@ ProgressFn = Callable[[int, int], None]
 
 @dataclass(frozen=True)
 class GenerationParams:
-    """When a sequence stops: ``max_tokens`` generated, an end-of-generation token, or a stop string.
+    """When a sequence stops: ``max_tokens`` generated, an end-of-generation token (unless ``ignore_eos``: then it is
+    kept as an ordinary token, so exactly ``max_tokens`` come out when no stop string ends it), or a stop string.
 
     Checked on construction: ``max_tokens`` an int in [1, 2**31 - 1], ``stop`` a tuple
     (a list is converted) of non-empty strings, ``sampling`` a :class:`SamplingParams`.
@@ -31,6 +32,7 @@ class GenerationParams:
     max_tokens: int = 128
     stop: tuple[str, ...] = ()
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "max_tokens", check_int(self.max_tokens, "max_tokens", low=1, high=INT32_MAX))
@@ -39,6 +41,8 @@ class GenerationParams:
         object.__setattr__(self, "stop", tuple(check_text(s, f"stop[{i}]") for i, s in enumerate(self.stop)))
         if not isinstance(self.sampling, SamplingParams):
             raise InvalidArgument(f"sampling must be a SamplingParams, got {shown(self.sampling)}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidArgument(f"ignore_eos must be a bool, got {shown(self.ignore_eos)}")
 
 
 @dataclass
@@ -93,7 +97,7 @@ class SequenceStream:
         """Record a sampled token; returns True when the sequence must stop."""
         if self.done:
             raise KvrtError("sequence already finished")
-        if self.model.is_eog(token):
+        if not self.params.ignore_eos and self.model.is_eog(token):
             self.finish_reason = "eog"
             self.eog_token = token
             self.text += self._decoder.decode(b"", final=True)

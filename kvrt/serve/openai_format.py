@@ -4,7 +4,9 @@ One :class:`Shaper` per HTTP request, for the chat endpoint (``chat.completion``
 ``chat.completion.chunk``, logprobs as ``content`` entries) or the text one
 (``text_completion``, logprobs as the legacy parallel lists). Engine finish reasons map
 to OpenAI's: end-of-generation and stops are ``stop``, ``length`` stays; a request cut
-by the server's deadline says ``deadline`` (not an OpenAI value).
+by the server's deadline says ``deadline`` (not an OpenAI value). With ``tokens`` (the
+``return_tokens`` extension, text completions) every choice and chunk also carries the
+token ids it holds as ``tokens``, as llama.cpp's server does.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ class Shaper:
     """OpenAI objects for one request: ``kind`` chat or text, ``logprobs`` whether to include them."""
 
     def __init__(self, kind: Kind, request_id: str, created: int, model_name: str, model: Model, n: int,
-                 logprobs: bool) -> None:
+                 logprobs: bool, tokens: bool = False) -> None:
         self.kind, self.id, self.created, self.model_name = kind, request_id, created, model_name
-        self.model, self.n, self.logprobs = model, n, logprobs
+        self.model, self.n, self.logprobs, self.tokens = model, n, logprobs, tokens
         self._offsets = [0] * n  # text completions: characters before each choice's next token
 
     # -- pieces -----------------------------------------------------------------------
@@ -77,8 +79,8 @@ class Shaper:
                                 "finish_reason": None} for i in range(self.n)], chunk=True)
 
     def chunk(self, index: int, text: str, logprob: TokenLogprob | None = None,
-              finish_reason: str | None = None) -> dict[str, Any]:
-        """A streaming chunk carrying ``text`` (and a token's logprobs) or a choice's finish."""
+              finish_reason: str | None = None, token: int | None = None) -> dict[str, Any]:
+        """A streaming chunk carrying ``text`` (and a token's logprobs and id) or a choice's finish."""
         reason = FINISH.get(finish_reason, finish_reason) if finish_reason else None
         lps = self._logprobs(index, [logprob]) if logprob is not None else None
         if self.kind == "chat":
@@ -86,6 +88,8 @@ class Shaper:
             choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
         else:
             choice = {"index": index, "text": text, "logprobs": lps, "finish_reason": reason}
+            if self.tokens:
+                choice["tokens"] = [] if token is None else [token]
         return self._envelope([choice], chunk=True)
 
     def usage_chunk(self, end: RequestEnd) -> dict[str, Any]:
@@ -102,4 +106,5 @@ class Shaper:
         if self.kind == "chat":
             message = {"role": "assistant", "content": choice.text, "refusal": None}
             return {"index": index, "message": message, "logprobs": lps, "finish_reason": reason}
-        return {"index": index, "text": choice.text, "logprobs": lps, "finish_reason": reason}
+        out = {"index": index, "text": choice.text, "logprobs": lps, "finish_reason": reason}
+        return out | {"tokens": list(choice.tokens)} if self.tokens else out

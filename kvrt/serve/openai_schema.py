@@ -5,7 +5,10 @@ whose ``param`` names it. Sampling follows OpenAI's meaning: ``temperature`` 0 i
 greedy, ``top_p`` 1 and no top-k / min-p unless the llama.cpp-style extensions
 ``top_k`` / ``min_p`` are given; ``frequency_penalty`` / ``presence_penalty`` (and the
 ``repetition_penalty`` extension) count every token generated so far; a missing
-``seed`` is drawn at random. ``response_format`` ``json_object`` / ``json_schema``
+``seed`` is drawn at random; ``ignore_eos`` (llama.cpp's and vLLM's extension) keeps
+generating past an end-of-generation token, and ``return_tokens`` (llama.cpp's, text
+completions) puts each choice's token ids beside its text, so a client can continue
+a completion token-exactly. ``response_format`` ``json_object`` / ``json_schema``
 constrain the output through llama.cpp's grammar sampler, the schema converted to
 GBNF by llama-cpp-python's converter.
 """
@@ -79,12 +82,14 @@ class _Body(_Strict):
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False  # llama.cpp / vLLM: an end-of-generation token does not end the output
 
 
 class CompletionBody(_Body):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+    return_tokens: bool = False  # llama.cpp: every choice (and stream chunk) carries its token ids as ``tokens``
 
 
 class ForkBody(_Body):
@@ -94,6 +99,7 @@ class ForkBody(_Body):
     choice: int = Field(0, ge=0)
     prompt: str = ""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_tokens: bool = False
 
 
 class ChatMessageBody(_Strict):
@@ -219,5 +225,5 @@ def engine_request(body: _Body, prompt: list[int], *, n_cells: int, max_tokens: 
         seed=(secrets.randbits(32) if body.seed is None else body.seed % 2**32),
         repeat_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty, penalty_last_n=max_tokens, grammar=grammar_of(body.response_format))
-    params = GenerationParams(max_tokens=max_tokens, stop=tuple(stops), sampling=sampling)
+    params = GenerationParams(max_tokens=max_tokens, stop=tuple(stops), sampling=sampling, ignore_eos=body.ignore_eos)
     return Request(prompt, params, n=body.n, stop_token_ids=frozenset(body.stop_token_ids), logprobs=logprobs)

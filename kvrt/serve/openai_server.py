@@ -241,7 +241,7 @@ class OpenAIServer:
         stream = self._submit(engine, lambda: engine.submit(job, notify=bridge.notify), job)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         shaper = Shaper(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), body.model, engine.model, job.n,
-                        logprobs is not None)
+                        logprobs is not None, tokens=kind == "text" and body.return_tokens)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._stream(stream, bridge, shaper, usage), media_type="text/event-stream")
@@ -297,8 +297,8 @@ class OpenAIServer:
             async for event in bridge.events(stream):
                 collector.add(event)
                 if isinstance(event, TokenEvent):
-                    if event.text or event.logprob is not None:
-                        yield _sse(shaper.chunk(event.index, event.text, event.logprob))
+                    if event.text or event.logprob is not None or shaper.tokens:
+                        yield _sse(shaper.chunk(event.index, event.text, event.logprob, token=event.token))
                 elif isinstance(event, ChoiceEnd):
                     if event.rest:
                         yield _sse(shaper.chunk(event.index, event.rest))

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# kvrt's OpenAI server vs llama.cpp's own llama-server (issue 24) on the H200, same GGUF, same libllama (the one
+# CUDA build: tools/device_run.sh installs its libraries into llama_cpp/lib and llama-server runs against them),
+# same 163,840 KV cells, flash attention on. Model: $MODELS/qwen2.5-7b.gguf (Qwen2.5-7B shape, F16, random
+# weights). Writes $RESULTS/peer/n<N>/peer/ (peer.json, peer.csv, requests.csv, peer.png, server logs).
+# Workloads (kvrt bench peer --preset h200): fanout (8,192-token shared document + 32-token question, 1 turn),
+# swarm (4,096 shared + 64-token task, 4 turns, +128 new tokens a turn), private (4,096-token own history, 2 turns,
+# +64 new tokens), 64 output tokens a turn; ideal: llama-batched-bench of the same build.
+# One run per N (PEER_AGENTS, default "8 32 64"), each under PEER_N_TIMEOUT_S (default 240) so a cut-off N
+# keeps the earlier ones' results; llama-server skips a workload whose agents' histories do not fit its slots'
+# share of the cells (cells / N a slot: fanout from N = 20 on, swarm from N = 35, private from N = 39).
+# Budget: ~PEER_N_TIMEOUT_S per N; give the step STEP_TIMEOUT to match (e.g. ONLY_STEP=80-peer STEP_TIMEOUT=560).
+# PEER_ARGS: more options (e.g. "--kv-unified", '--kvrt-args "--kv-layout auto"', "--rounds 2").
+# What to check: lost_tokens == 0 in every row, retokenized_requests (llama-server turns whose ids came from
+# /tokenize), summary's kvrt_over_llama_server_wall per workload, ideal_over_kvrt_wall, both arms' libllama
+# SHA-256 equal (peer.json "libraries").
+set -uo pipefail
+OUT_DIR="${RESULTS:-/tmp/kvrt-results}/peer"
+QWEN="$MODELS/qwen2.5-7b.gguf"
+SERVER=${KVRT_LLAMA_SERVER:-/tmp/llama-build/bin/llama-server}
+mkdir -p "$OUT_DIR"
+export PYTHONUNBUFFERED=1
+[ -f "$QWEN" ] || { echo "missing $QWEN"; exit 1; }
+[ -x "$SERVER" ] || { echo "missing $SERVER (tools/device_run.sh builds it)"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
+for n in ${PEER_AGENTS:-8 32 64}; do
+  t=$SECONDS
+  # shellcheck disable=SC2086  # PEER_ARGS is a list of options
+  eval timeout "${PEER_N_TIMEOUT_S:-240}" python3 -m kvrt.cli bench peer --out "$OUT_DIR/n$n" --preset h200 \
+    --model "$QWEN" --agents "$n" --llama-server "$SERVER" ${PEER_ARGS:-} > "$OUT_DIR/peer-n$n.log" 2>&1
+  echo "peer N=$n: rc=$? in $((SECONDS - t)) s"
+  grep -E '^ +(kvrt|llama-server|ideal)' "$OUT_DIR/peer-n$n.log" | cut -c1-160
+done
