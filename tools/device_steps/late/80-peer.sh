@@ -11,6 +11,8 @@
 # share of the cells (cells / N a slot: fanout from N = 20 on, swarm from N = 35, private from N = 39).
 # Budget: ~PEER_N_TIMEOUT_S per N; give the step STEP_TIMEOUT to match (e.g. ONLY_STEP=80-peer STEP_TIMEOUT=560).
 # PEER_ARGS: more options (e.g. "--kv-unified", '--kvrt-args "--kv-layout auto"', "--rounds 2").
+# PEER_LAYOUTS="unified split": then kvrt alone again at N = PEER_LAYOUT_N (default 32) with each --kv-layout forced,
+# for the choice of layout (DEVELOPING.md); written to $RESULTS/peer/n<N>-<layout>/.
 # What to check: lost_tokens == 0 in every row, retokenized_requests (llama-server turns whose ids came from
 # /tokenize), summary's kvrt_over_llama_server_wall per workload, ideal_over_kvrt_wall, both arms' libllama
 # SHA-256 equal (peer.json "libraries").
@@ -30,4 +32,13 @@ for n in ${PEER_AGENTS:-8 32 64}; do
     --model "$QWEN" --agents "$n" --llama-server "$SERVER" ${PEER_ARGS:-} > "$OUT_DIR/peer-n$n.log" 2>&1
   echo "peer N=$n: rc=$? in $((SECONDS - t)) s"
   grep -E '^ +(kvrt|llama-server|ideal)' "$OUT_DIR/peer-n$n.log" | cut -c1-160
+done
+for layout in ${PEER_LAYOUTS:-}; do
+  t=$SECONDS; n=${PEER_LAYOUT_N:-32}
+  # shellcheck disable=SC2086
+  eval timeout "${PEER_N_TIMEOUT_S:-240}" python3 -m kvrt.cli bench peer --out "$OUT_DIR/n$n-$layout" --preset h200 \
+    --model "$QWEN" --agents "$n" --arms kvrt --kvrt-args "'--kv-layout $layout'" --llama-server "$SERVER" ${PEER_ARGS:-} \
+    > "$OUT_DIR/peer-n$n-$layout.log" 2>&1
+  echo "peer N=$n kvrt --kv-layout $layout: rc=$? in $((SECONDS - t)) s"
+  grep -E '^ +(kvrt|ideal)' "$OUT_DIR/peer-n$n-$layout.log" | cut -c1-160
 done
