@@ -267,7 +267,8 @@ class _Run:
             return (node.after, self.marks[node.name]) in self.snapshots
         return all(self.state[d] == "done" for d in node.deps)
 
-    def _schedule(self, executor: ThreadPoolExecutor, pool: ContextPool, candidates: Iterable[str] | None = None) -> None:
+    def _schedule(self, executor: ThreadPoolExecutor, pool: ContextPool,
+                  candidates: Iterable[str] | None = None) -> None:
         """Start the waiting nodes among ``candidates`` (default: all) that are ready."""
         for name in self.p._nodes if candidates is None else candidates:
             node = self.p._nodes[name]
