@@ -413,6 +413,24 @@ def test_pinned_prefix_survives_eviction_and_is_reused(tiny_model):
         assert "pinned" not in eng.stats().slots
 
 
+def test_a_pin_of_an_already_cached_prompt_ends_at_once(tiny_model):
+    """Nothing to prefill means no batch row ever lands for the pin: it must still end (it used to hang)."""
+    pinned = text_tokens(tiny_model, "a pinned document " * 6)
+    asked = text_tokens(tiny_model, "a question that is answered first")
+    with engine(tiny_model, n_ctx=512, n_seq_max=4) as eng:
+        first = eng.pin(pinned).result(WAIT_S)
+        again = eng.pin(pinned)
+        assert again.result(WAIT_S).end.cached_tokens == len(pinned) and first.end.cached_tokens == 0
+        eng.submit(Request(asked, greedy(4))).result(WAIT_S)
+        assert eng.pin(asked).result(WAIT_S).end.cached_tokens == len(asked)  # a completion just used it
+        assert "active" not in eng.stats().slots and eng.stats().slots.count("pinned") == 3
+        assert eng.unpin(again.id).result(WAIT_S) is True
+        question = pinned + text_tokens(tiny_model, "and a question?", bos=False)
+        result = eng.submit(Request(question, greedy(8))).result(WAIT_S)
+        assert result.end.cached_tokens == len(pinned)
+        assert result.choices[0].tokens == alone(tiny_model, question, greedy(8))
+
+
 def test_pins_count_against_the_cells_a_request_can_have(tiny_model):
     with engine(tiny_model, n_ctx=256, n_seq_max=2, n_batch=64) as eng:
         eng.pin(list(range(3, 203))).result(WAIT_S)

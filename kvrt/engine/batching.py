@@ -276,6 +276,9 @@ class Engine:
                 self._queue.popleft()
             self._reused += live.reused
             self._live.append(live)
+            if live.pin and not live.prefilling:  # its whole prompt was cached: no prefill row will ever land
+                self._pin_slot(live)
+                self._end(live)
 
     def _fill(self) -> list[_Row]:
         """This step's batch: every decoding choice's token, then prompt chunks within the budget, round robin."""
@@ -346,15 +349,19 @@ class Engine:
             if r.choice is not None:
                 self._pick(live, r.choice, r.row, greedy)
             elif not live.prefilling and live.pin:
-                self.cache.release(live.slot)
-                self.cache.pin(live.slot)
-                self._pins[live.stream.id] = live.slot
+                self._pin_slot(live)
             elif not live.prefilling:
                 for choice in live.choices:
                     choice.pos = len(live.prompt)
                     self._pick(live, choice, r.row, greedy)
             if live.done:
                 self._end(live)
+
+    def _pin_slot(self, live: Live) -> None:
+        """A pin's prompt is in: its slot is kept cached until unpinned."""
+        self.cache.release(live.slot)
+        self.cache.pin(live.slot)
+        self._pins[live.stream.id] = live.slot
 
     def _pick(self, live: Live, choice: Choice, row: int, greedy: dict[int, int]) -> None:
         token = greedy[row] if choice.sampler.plain_greedy else choice.sampler.sample(self.ctx, row)
