@@ -225,6 +225,20 @@ def test_n_choices_fork_one_prefill(tiny_model):
     assert result.end.completion_tokens == sum(len(c.tokens) for c in result.choices)
 
 
+def test_choice_seeds_wrap_past_llama_cpps_random_seed(tiny_model):
+    """seed + i skips 2**32 - 1 (LLAMA_DEFAULT_SEED, a random seed): every choice is reproducible."""
+    prompt = text_tokens(tiny_model, PROMPTS[1])
+
+    def sampled(seed: int) -> GenerationParams:
+        return GenerationParams(max_tokens=12, sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0,
+                                                                       min_p=0.0, seed=seed))
+
+    with engine(tiny_model) as eng:
+        result = eng.submit(Request(prompt, sampled(2**32 - 2), n=2)).result(WAIT_S)
+    assert result.choices[0].tokens == alone(tiny_model, prompt, sampled(2**32 - 2))
+    assert result.choices[1].tokens == alone(tiny_model, prompt, sampled(0))
+
+
 def test_long_prompt_is_prefilled_in_chunks_beside_a_decoding_request(tiny_model):
     gate = StepGate()
     short = text_tokens(tiny_model, "short")

@@ -51,7 +51,7 @@ from kvrt.engine.requests import (
     RequestStream,
     RequestTooLarge,
 )
-from kvrt.engine.sampling import Sampler
+from kvrt.engine.sampling import SEEDS, Sampler
 from kvrt.errors import DecodeError, KvrtError
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class Engine:
         try:
             for i in range(request.n):
                 sampling = request.params.sampling
-                samplers.append(Sampler(replace(sampling, seed=(sampling.seed + i) % 2**32), model=self.model))
+                samplers.append(Sampler(replace(sampling, seed=(sampling.seed + i) % SEEDS), model=self.model))
             return self._enqueue(Pending(self._stream("req", request, notify), samplers))
         except BaseException:
             for sampler in samplers:

@@ -5,7 +5,8 @@ whose ``param`` names it. Sampling follows OpenAI's meaning: ``temperature`` 0 i
 greedy, ``top_p`` 1 and no top-k / min-p unless the llama.cpp-style extensions
 ``top_k`` / ``min_p`` are given; ``frequency_penalty`` / ``presence_penalty`` (and the
 ``repetition_penalty`` extension) count every token generated so far; a missing
-``seed`` is drawn at random. ``response_format`` ``json_object`` / ``json_schema``
+(or null) ``seed`` is drawn at random; a given one is in [0, 2**32 - 2] and reproducible
+(2**32 - 1, and -1 which would wrap to it, are llama.cpp's "random seed": refused). ``response_format`` ``json_object`` / ``json_schema``
 constrain the output through llama.cpp's grammar sampler, the schema converted to
 GBNF by llama-cpp-python's converter.
 """
@@ -17,13 +18,14 @@ import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from kvrt.engine.chat import ChatTemplateError, apply_chat_template
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.model import Model
 from kvrt.engine.requests import MAX_LOGPROBS, Request
-from kvrt.engine.sampling import SamplingParams
+from kvrt.engine.sampling import MAX_SEED, SamplingParams
 
 UNSUPPORTED = ("tools", "functions", "function_call", "logit_bias", "suffix", "audio", "modalities", "prediction")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
@@ -79,6 +81,15 @@ class _Body(_Strict):
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     stop_token_ids: list[int] = Field(default_factory=list)
+
+    @field_validator("seed")
+    @classmethod
+    def _reproducible_seed(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_SEED:
+            raise PydanticCustomError("seed_range", f"must be in [0, {MAX_SEED}], got {value} (2**32 - 1, and -1 "
+                                      "which wraps to it, are llama.cpp's random seed, never reproducible; leave "
+                                      "seed out or null for a random one)")
+        return value
 
 
 class CompletionBody(_Body):
@@ -216,7 +227,7 @@ def engine_request(body: _Body, prompt: list[int], *, n_cells: int, max_tokens: 
         raise ApiError(400, "stop: up to 4 non-empty strings", param="stop")
     sampling = SamplingParams(
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-        seed=(secrets.randbits(32) if body.seed is None else body.seed % 2**32),
+        seed=(secrets.randbelow(MAX_SEED + 1) if body.seed is None else body.seed),
         repeat_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty, penalty_last_n=max_tokens, grammar=grammar_of(body.response_format))
     params = GenerationParams(max_tokens=max_tokens, stop=tuple(stops), sampling=sampling)

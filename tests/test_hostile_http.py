@@ -1,0 +1,93 @@
+"""Hostile input at a live :class:`OpenAIServer` on the tiny test model: every one gets the right 4xx JSON.
+
+Each case sends raw bytes over real HTTP (no client library smoothing them), checks the
+status and the OpenAI error shape (``param`` naming the field where there is one), and
+then a normal greedy request must still complete with the full output of an independent
+reference (kvrt's one-sequence ``generate`` in a fresh context). Every wait is bounded;
+nothing asserts on time.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra (pip install fastapi uvicorn openai) is not installed")
+
+from kvrt import Context, GenerationParams, generate  # noqa: E402
+from kvrt.engine.batching import Engine, EngineConfig  # noqa: E402
+from kvrt.engine.sampling import SamplingParams  # noqa: E402
+from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
+
+WAIT_S = 60.0
+N_CTX = 512
+NORMAL = "A normal request after the hostile one"
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model) -> Iterator[dict[str, Any]]:
+    engine = Engine(tiny_model, EngineConfig(n_ctx=N_CTX, n_seq_max=4, n_batch=64, flash_attn="off"))
+    server = OpenAIServer({"tiny": engine}, default_max_tokens=16)
+    host, port = server.start("127.0.0.1", 0)
+    try:
+        yield {"server": server, "host": host, "port": port, "engine": engine}
+    finally:
+        server.stop()
+        engine.close()
+
+
+def send(served: dict[str, Any], path: str, body: Any, method: str = "POST") -> tuple[int, str, bytes]:
+    """Status, content type and body of one request; ``body`` as bytes is sent as it is."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    connection = http.client.HTTPConnection(served["host"], served["port"], timeout=WAIT_S)
+    try:
+        connection.request(method, path, data, {"content-type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.getheader("content-type") or "", response.read()
+    finally:
+        connection.close()
+
+
+def refused(served: dict[str, Any], path: str, body: Any, status: int = 400) -> dict[str, Any]:
+    """The error object of a request that must be refused with ``status`` (and JSON, OpenAI-shaped)."""
+    got, kind, raw = send(served, path, body)
+    assert got == status, (got, raw[:500])
+    assert kind.startswith("application/json"), (kind, raw[:500])
+    error = json.loads(raw)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"], error
+    return error
+
+
+def reference_text(tiny_model, prompt: str, max_tokens: int) -> str:
+    tokens = tiny_model.tokenize(prompt, add_special=True, parse_special=True)
+    with Context(tiny_model, n_ctx=N_CTX, flash_attn="off") as ctx:
+        return generate(ctx, tokens, GenerationParams(max_tokens=max_tokens,
+                                                      sampling=SamplingParams(temperature=0.0))).text
+
+
+def assert_still_serves(served: dict[str, Any], tiny_model) -> None:
+    status, _, raw = send(served, "/v1/completions", {"model": "tiny", "prompt": NORMAL, "max_tokens": 8,
+                                                      "temperature": 0})
+    assert status == 200, raw[:500]
+    choice = json.loads(raw)["choices"][0]
+    assert choice["text"] == reference_text(tiny_model, NORMAL, 8)
+
+
+BASE = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0}
+
+
+@pytest.mark.parametrize("seed", [2**32 - 1, -1, 2**32, 2**63])
+def test_seeds_that_are_not_reproducible_are_refused_naming_the_range(served, tiny_model, seed):
+    error = refused(served, "/v1/completions", {**BASE, "seed": seed, "temperature": 1.0})
+    assert error["param"] == "seed" and "4294967294" in error["message"], error
+    assert_still_serves(served, tiny_model)
+
+
+def test_the_largest_seed_is_reproducible(served):
+    body = {**BASE, "seed": 2**32 - 2, "temperature": 1.0, "max_tokens": 12, "n": 2}
+    first, again = (json.loads(send(served, "/v1/completions", body)[2]) for _ in range(2))
+    assert [c["text"] for c in first["choices"]] == [c["text"] for c in again["choices"]]
