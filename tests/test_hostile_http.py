@@ -91,3 +91,71 @@ def test_the_largest_seed_is_reproducible(served):
     body = {**BASE, "seed": 2**32 - 2, "temperature": 1.0, "max_tokens": 12, "n": 2}
     first, again = (json.loads(send(served, "/v1/completions", body)[2]) for _ in range(2))
     assert [c["text"] for c in first["choices"]] == [c["text"] for c in again["choices"]]
+
+
+def nested(depth: int) -> bytes:
+    return b'{"model":"tiny","prompt":' + b"[" * depth + b"]" * depth + b"}"
+
+
+@pytest.mark.parametrize("body", [nested(2500), b'{"model":"tiny","prompt":"hi","x":' + b'{"a":' * 3000 + b"1"
+                                  + b"}" * 3000 + b"}"], ids=["arrays", "objects"])
+def test_deeply_nested_json_is_a_400(served, tiny_model, body):
+    error = refused(served, "/v1/completions", body)
+    assert "nest" in error["message"], error
+    assert_still_serves(served, tiny_model)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b'{"model":"tiny","prompt":"\\ud800 lone","max_tokens":2}', "prompt"),
+    ("/v1/completions", b'{"model":"tiny","prompt":["ok","\\udfff"],"max_tokens":2}', "prompt[1]"),
+    ("/v1/completions", b'{"model":"tiny","prompt":"hi","stop":["\\ud83d"],"max_tokens":2}', "stop[0]"),
+    ("/v1/chat/completions", b'{"model":"tiny","messages":[{"role":"user","content":"a\\ud800"}]}',
+     "messages[0].content"),
+    ("/v1/kvrt/pins", b'{"model":"tiny","prompt":"\\udc00"}', "prompt"),
+])
+def test_lone_surrogates_are_a_400_naming_the_field(served, tiny_model, path, body, param):
+    error = refused(served, path, body)
+    assert error["param"] == param and "surrogate" in error["message"], error
+    assert_still_serves(served, tiny_model)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", 2**31), ("max_tokens", 2**64), ("n", 2**40), ("top_k", 2**31), ("logprobs", 2**31),
+    ("stop_token_ids", [2**31]), ("stop_token_ids", [-1]),
+])
+def test_integers_are_checked_against_their_real_range(served, tiny_model, field, value):
+    error = refused(served, "/v1/completions", {**BASE, field: value})
+    assert error["param"] == (field if field != "stop_token_ids" else "stop_token_ids[0]"), error
+    assert "penalty_last_n" not in error["message"]
+    assert_still_serves(served, tiny_model)
+
+
+@pytest.mark.parametrize("literal", [b"Infinity", b"-Infinity", b"NaN"])
+@pytest.mark.parametrize("field", ["repetition_penalty", "temperature", "frequency_penalty", "top_p", "min_p"])
+def test_non_finite_numbers_name_the_openai_field(served, field, literal):
+    body = b'{"model":"tiny","prompt":"hi","max_tokens":2,"' + field.encode() + b'":' + literal + b"}"
+    error = refused(served, "/v1/completions", body)
+    assert error["param"] == field and "repeat_penalty" not in error["message"], error
+
+
+@pytest.mark.parametrize("field, value", [
+    ("max_tokens", True), ("max_tokens", "5"), ("max_tokens", 5.0), ("n", True), ("temperature", True),
+    ("temperature", "0.5"), ("seed", "7"), ("stream", "yes"), ("stream", 1), ("echo", "no"), ("logprobs", False),
+    ("top_k", "3"), ("stop_token_ids", [True]), ("prompt", [1, True]),
+])
+def test_types_are_strict(served, tiny_model, field, value):
+    error = refused(served, "/v1/completions", {**BASE, field: value})
+    assert error["param"] is not None and error["param"].split("[")[0] == field, error
+    assert_still_serves(served, tiny_model)
+
+
+def test_strict_chat_types(served):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    for field, value in [("logprobs", "true"), ("max_completion_tokens", True), ("stream_options", {"include_usage": 1})]:
+        error = refused(served, "/v1/chat/completions", {**chat, field: value})
+        assert error["param"].split(".")[0] == field, error
+
+
+def test_integral_floats_stay_numbers_where_a_float_is_meant(served):
+    status, _, raw = send(served, "/v1/completions", {**BASE, "temperature": 0, "top_p": 1, "min_p": 0})
+    assert status == 200, raw[:300]

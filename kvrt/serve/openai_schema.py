@@ -1,7 +1,10 @@
 """OpenAI request bodies, validated and turned into engine requests (no HTTP here).
 
-Bodies are checked with pydantic; a bad field becomes an :class:`ApiError` (HTTP 400)
-whose ``param`` names it. Sampling follows OpenAI's meaning: ``temperature`` 0 is
+Bodies are checked with pydantic, strictly (a bool is not a number, a string is not a
+number or a bool, numbers are finite, integers within what the engine can hold); a bad
+field becomes an :class:`ApiError` (HTTP 400) whose ``param`` names it. Before that,
+:func:`check_json` refuses JSON nested deeper than :data:`MAX_JSON_DEPTH` and text that
+UTF-8 cannot encode (lone surrogates such as ``"\ud800"``), naming where. Sampling follows OpenAI's meaning: ``temperature`` 0 is
 greedy, ``top_p`` 1 and no top-k / min-p unless the llama.cpp-style extensions
 ``top_k`` / ``min_p`` are given; ``frequency_penalty`` / ``presence_penalty`` (and the
 ``repetition_penalty`` extension) count every token generated so far; a missing
@@ -16,7 +19,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
@@ -29,6 +32,10 @@ from kvrt.engine.sampling import MAX_SEED, SamplingParams
 
 UNSUPPORTED = ("tools", "functions", "function_call", "logit_bias", "suffix", "audio", "modalities", "prediction")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+MAX_JSON_DEPTH = 64  # nesting of a request body (a chat body needs 4, a JSON schema rarely 20)
+INT32_MAX = 2**31 - 1  # token counts and ids are int32 in llama.cpp
+TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class ApiError(Exception):
@@ -44,7 +51,7 @@ class ApiError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -66,7 +73,7 @@ class _Body(_Strict):
     """Fields both endpoints share (OpenAI's, then llama.cpp / vLLM-style extensions)."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: TokenCount | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=64)
@@ -77,10 +84,10 @@ class _Body(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     response_format: ResponseFormat | None = None
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=INT32_MAX)
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
 
     @field_validator("seed")
     @classmethod
@@ -102,7 +109,7 @@ class ForkBody(_Body):
     """``/v1/kvrt/fork``: continue choice ``choice`` of completion ``completion_id`` with ``prompt``."""
 
     completion_id: str
-    choice: int = Field(0, ge=0)
+    choice: int = Field(0, ge=0, le=INT32_MAX)
     prompt: str = ""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -114,7 +121,7 @@ class ChatMessageBody(_Strict):
 
 class ChatBody(_Body):
     messages: list[ChatMessageBody] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -132,6 +139,38 @@ def _param(loc: Sequence[Any]) -> str:
     return out
 
 
+def check_json(body: Any) -> None:
+    """Refuse nesting deeper than :data:`MAX_JSON_DEPTH` and strings UTF-8 cannot encode (lone surrogates).
+
+    Iterative (a hostile body must not exhaust the stack); the 400 names where the problem is.
+    """
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(body, ())]
+    while stack:
+        value, loc = stack.pop()
+        if len(loc) > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels (at {_param(loc[:8])}"
+                                "...)", code="nesting_too_deep")
+        if isinstance(value, str):
+            _check_encodable(value, loc)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_encodable(key, loc + (key,))
+                stack.append((item, loc + (key,)))
+        elif isinstance(value, list):
+            stack.extend((item, loc + (i,)) for i, item in enumerate(value))
+
+
+def _check_encodable(text: str, loc: tuple[Any, ...]) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        param = _param(loc) or None
+        where = f"{param}: " if param else ""
+        raise ApiError(400, f"{where}a lone surrogate {text[exc.start]!r} at character {exc.start} is not text "
+                            "(UTF-8 cannot encode it; send a valid surrogate pair or the character itself)",
+                       param=param, code="invalid_text") from None
+
+
 def parse(kind: type[_Strict], body: Any) -> Any:
     """``body`` validated as ``kind``; the first problem becomes a 400 naming its field."""
     if not isinstance(body, Mapping):
@@ -139,7 +178,9 @@ def parse(kind: type[_Strict], body: Any) -> Any:
     try:
         parsed = kind.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        # a union's members each report: the one that got furthest into the value says the most
+        first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
         # a union's error carries the member type as an extra location part: keep the field's path only
         loc = [p for p in first["loc"] if isinstance(p, int) or p in _field_names(kind, first["loc"])]
         param = _param(loc) or None

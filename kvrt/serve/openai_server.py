@@ -57,12 +57,14 @@ from kvrt.errors import KvrtError
 from kvrt.serve.openai_format import Kind, Shaper
 from kvrt.serve.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_JSON_DEPTH,
     ApiError,
     ChatBody,
     CompletionBody,
     ForkBody,
     PinBody,
     chat_prompt,
+    check_json,
     completion_prompt,
     engine_request,
     parse,
@@ -216,10 +218,16 @@ class OpenAIServer:
 
     # -- the shared path ------------------------------------------------------------------
     async def _json(self, request: HttpRequest) -> Any:
+        raw = await request.body()
         try:
-            return await request.json()
-        except ValueError:
-            raise ApiError(400, "the request body is not valid JSON") from None
+            body = json.loads(raw)
+        except RecursionError:
+            raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
+                           code="nesting_too_deep") from None
+        except ValueError:  # UnicodeDecodeError included
+            raise ApiError(400, "the request body is not valid JSON (UTF-8)") from None
+        check_json(body)
+        return body
 
     def _engine(self, name: str) -> Engine:
         engine = self.engines.get(name)
