@@ -159,3 +159,28 @@ def test_strict_chat_types(served):
 def test_integral_floats_stay_numbers_where_a_float_is_meant(served):
     status, _, raw = send(served, "/v1/completions", {**BASE, "temperature": 0, "top_p": 1, "min_p": 0})
     assert status == 200, raw[:300]
+
+
+def test_a_streamed_request_refused_at_admission_gets_the_same_4xx_as_unstreamed(served, tiny_model):
+    status, _, raw = send(served, "/v1/kvrt/pins", {"model": "tiny", "prompt": list(range(3, 403))})
+    assert status == 200, raw[:300]
+    pin = json.loads(raw)["id"]
+    try:  # 400 of the 512 cells are pinned: 30 + 200 cells can never be had, which only admission knows
+        body = {**BASE, "prompt": list(range(100, 130)), "max_tokens": 200}
+        plain = refused(served, "/v1/completions", body)
+        streamed = refused(served, "/v1/completions", {**body, "stream": True})
+        assert streamed == plain and plain["code"] == "context_length_exceeded", (plain, streamed)
+        assert "pinned" in plain["message"]
+    finally:
+        assert send(served, f"/v1/kvrt/pins/{pin}", None, method="DELETE")[0] == 200
+    assert_still_serves(served, tiny_model)
+
+
+def test_a_stream_still_streams(served, tiny_model):
+    status, kind, raw = send(served, "/v1/completions", {**BASE, "prompt": NORMAL, "max_tokens": 8, "stream": True})
+    assert status == 200 and kind.startswith("text/event-stream")
+    lines = [line.removeprefix("data: ") for line in raw.decode().split("\n\n") if line]
+    assert lines[-1] == "[DONE]"
+    chunks = [json.loads(line) for line in lines[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == reference_text(tiny_model, NORMAL, 8)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"

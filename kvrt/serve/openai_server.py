@@ -252,7 +252,10 @@ class OpenAIServer:
                         logprobs is not None)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(stream, bridge, shaper, usage), media_type="text/event-stream")
+            events = bridge.events(stream)
+            first = await self._admitted(request, stream, events)  # a refusal is still an HTTP error here
+            return StreamingResponse(self._stream(stream, events, first, shaper, usage),
+                                     media_type="text/event-stream")
         result = await self._collect(request, stream, bridge)
         self._remember(shaper.id, body.model, prompt, result.choices)
         return JSONResponse(shaper.response(result))
@@ -270,14 +273,25 @@ class OpenAIServer:
             grammar = job is not None and job.params.sampling.grammar is not None
             raise ApiError(400, str(exc), param="response_format" if grammar else None) from None
 
-    async def _collect(self, request: HttpRequest, stream: RequestStream, bridge: _Bridge) -> RequestResult:
-        """The whole result; the request is cancelled if the client goes away meanwhile."""
+    async def _watching(self, request: HttpRequest, stream: RequestStream) -> asyncio.Task[None]:
+        """A task that cancels ``stream`` when the client goes away."""
         async def watch() -> None:
             while not await request.is_disconnected():
                 await asyncio.sleep(DISCONNECT_POLL_S)
             stream.cancel()
 
-        watcher = asyncio.create_task(watch())
+        return asyncio.create_task(watch())
+
+    @staticmethod
+    def _raise_refusal(error: KvrtError | None) -> None:
+        if isinstance(error, RequestTooLarge):
+            raise ApiError(400, str(error), param="prompt", code="context_length_exceeded")
+        if error is not None:
+            raise ApiError(500, f"the request failed: {error}", kind="server_error")
+
+    async def _collect(self, request: HttpRequest, stream: RequestStream, bridge: _Bridge) -> RequestResult:
+        """The whole result; the request is cancelled if the client goes away meanwhile."""
+        watcher = await self._watching(request, stream)
         collector = ResultCollector(stream.request.n)
         result: RequestResult | None = None
         try:
@@ -287,22 +301,48 @@ class OpenAIServer:
             watcher.cancel()
             stream.cancel()  # harmless when the request is over
         assert result is not None  # events() ends with the RequestEnd
-        error = result.end.error
-        if isinstance(error, RequestTooLarge):
-            raise ApiError(400, str(error), param="prompt", code="context_length_exceeded")
-        if error is not None:
-            raise ApiError(500, f"the request failed: {error}", kind="server_error")
+        self._raise_refusal(result.end.error)
         return result
 
-    async def _stream(self, stream: RequestStream, bridge: _Bridge, shaper: Shaper,
-                      usage: bool) -> AsyncIterator[str]:
-        """SSE chunks as tokens arrive; leaving early (a disconnect) cancels the request."""
+    async def _admitted(self, request: HttpRequest, stream: RequestStream,
+                        events: AsyncIterator[Event]) -> list[Event]:
+        """A streamed request's events up to its first output: raises the same HTTP error as an unstreamed
+        request when the engine refused it at admission (every choice ended "error" with nothing out)."""
+        watcher = await self._watching(request, stream)
+        first: list[Event] = []
+        try:
+            async for event in events:
+                first.append(event)
+                if not (isinstance(event, ChoiceEnd) and event.finish_reason == "error" and not event.tokens):
+                    break
+        except BaseException:
+            stream.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        last = first[-1] if first else None
+        if isinstance(last, RequestEnd) and last.error is not None and last.completion_tokens == 0:
+            self._raise_refusal(last.error)
+        return first
+
+    async def _stream(self, stream: RequestStream, events: AsyncIterator[Event], first: list[Event],
+                      shaper: Shaper, usage: bool) -> AsyncIterator[str]:
+        """SSE chunks as tokens arrive (``first``: those already taken from ``events``); leaving early (a
+        disconnect) cancels the request."""
         collector = ResultCollector(stream.request.n)
+
+        async def everything() -> AsyncIterator[Event]:
+            for event in first:
+                yield event
+            if not isinstance(first[-1], RequestEnd):
+                async for event in events:
+                    yield event
+
         try:
             opening = shaper.role_chunk()
             if opening is not None:
                 yield _sse(opening)
-            async for event in bridge.events(stream):
+            async for event in everything():
                 collector.add(event)
                 if isinstance(event, TokenEvent):
                     if event.text or event.logprob is not None:
