@@ -247,11 +247,71 @@ def grammar_of(response_format: ResponseFormat | None) -> str | None:
             raise ApiError(400, "response_format.json_schema is required for type json_schema",
                            param="response_format.json_schema")
         schema = response_format.json_schema.schema_ or schema
+    schema = _local_refs(schema)
     try:
         return json_schema_to_gbnf(json.dumps(schema))
     except Exception as exc:  # the converter raises plain exceptions for schemas it cannot express
         raise ApiError(400, f"response_format: the JSON schema cannot be converted to a grammar ({exc})",
                        param="response_format") from None
+
+
+_ROOT_DEF = "kvrt-root"
+
+
+def _local_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with its ``$ref`` recursion in the shape llama-cpp-python's converter follows.
+
+    The converter resolves ``#/...`` references but never looks inside the node that holds a
+    ``$ref``: a root that is itself a reference (``{"$ref": "#/$defs/node", "$defs": ...}``) left
+    the definitions' own references unresolved (a bare ``KeyError`` came back), and ``"#"`` (the
+    whole document) it refuses. Here the root's reference moves into an ``anyOf`` of one, ``"#"``
+    becomes a reference to a copy of the root under ``$defs``, and every reference must be local
+    and resolve; anything else is a 400 that names the reference.
+    """
+    refs: list[str] = []
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if ref is not None:
+                refs.append(ref)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    if not refs:
+        return schema
+    for ref in refs:
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise ApiError(400, f"response_format: $ref {ref!r} is not supported: only local references (\"#\" or "
+                                "\"#/...\" into the schema itself) are", param="response_format",
+                           code="unsupported_schema")
+    schema = json.loads(json.dumps(schema))  # a copy to rewrite
+    if "#" in refs:
+        body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+        schema = {**{k: v for k, v in schema.items() if k in ("$defs", "definitions")}, "$ref": f"#/$defs/{_ROOT_DEF}"}
+        schema.setdefault("$defs", {})[_ROOT_DEF] = body
+        stack = [schema]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                if node.get("$ref") == "#":
+                    node["$ref"] = f"#/$defs/{_ROOT_DEF}"
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+    for ref in {r for r in refs if r != "#"}:
+        target: Any = schema
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise ApiError(400, f"response_format: $ref {ref!r} does not resolve (no {part!r} there)",
+                               param="response_format", code="invalid_schema")
+            target = target[part]
+    if "$ref" in schema:
+        ref = schema.pop("$ref")
+        schema["anyOf"] = [{"$ref": ref}]
+    return schema
 
 
 def engine_request(body: _Body, prompt: list[int], *, n_cells: int, max_tokens: int | None, default_max_tokens: int,
