@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,18 +21,20 @@ pytest.importorskip("fastapi", reason="the serve extra (pip install fastapi uvic
 
 from kvrt import Context, GenerationParams, generate  # noqa: E402
 from kvrt.engine.batching import Engine, EngineConfig  # noqa: E402
+from kvrt.engine.model import Model  # noqa: E402
 from kvrt.engine.sampling import SamplingParams  # noqa: E402
 from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
 
 WAIT_S = 60.0
 N_CTX = 512
+MAX_INPUT_BYTES = 1 << 20
 NORMAL = "A normal request after the hostile one"
 
 
 @pytest.fixture(scope="module")
 def served(tiny_model) -> Iterator[dict[str, Any]]:
     engine = Engine(tiny_model, EngineConfig(n_ctx=N_CTX, n_seq_max=4, n_batch=64, flash_attn="off"))
-    server = OpenAIServer({"tiny": engine}, default_max_tokens=16)
+    server = OpenAIServer({"tiny": engine}, default_max_tokens=16, max_input_bytes=MAX_INPUT_BYTES)
     host, port = server.start("127.0.0.1", 0)
     try:
         yield {"server": server, "host": host, "port": port, "engine": engine}
@@ -220,3 +223,59 @@ def test_recursive_json_schemas_are_served(served, tiny_model, schema):
 def test_unsupported_schema_refs_are_named(served, schema, says):
     error = refused(served, "/v1/completions", schema_body(schema))
     assert error["param"] == "response_format" and says in error["message"], error
+
+
+def test_a_body_over_the_input_cap_is_a_413_naming_the_limit(served, tiny_model):
+    error = refused(served, "/v1/completions", {**BASE, "prompt": "x" * (MAX_INPUT_BYTES + 10)}, status=413)
+    assert str(MAX_INPUT_BYTES) in error["message"] and "max-input-bytes" in error["message"], error
+    assert_still_serves(served, tiny_model)
+
+
+@pytest.fixture
+def no_huge_tokenization(monkeypatch):
+    """Model.tokenize that fails loudly on a text too long to fit: the server must refuse it before tokenizing."""
+    tokenize = Model.tokenize
+
+    def guarded(self, text, **kw):
+        assert len(text) < 50_000, "a text far longer than the context was tokenized"
+        return tokenize(self, text, **kw)
+
+    monkeypatch.setattr(Model, "tokenize", guarded)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {**BASE, "prompt": "many words " * 30_000}, "prompt"),
+    ("/v1/kvrt/pins", {"model": "tiny", "prompt": "many words " * 30_000}, "prompt"),
+    ("/v1/kvrt/fork", {**BASE, "completion_id": "cmpl-none", "prompt": "w " * 100_000}, "prompt"),
+])
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(served, tiny_model, no_huge_tokenization, path, body,
+                                                               param):
+    if path == "/v1/kvrt/fork":  # a real completion to continue
+        status, _, raw = send(served, "/v1/completions", {**BASE, "prompt": NORMAL})
+        body = {**body, "completion_id": json.loads(raw)["id"]}
+    error = refused(served, path, body)
+    assert error["param"] == param and error["code"] == "context_length_exceeded", error
+    assert str(N_CTX) in error["message"], error
+    assert_still_serves(served, tiny_model)
+
+
+def test_tokenization_does_not_block_other_clients(served, tiny_model, monkeypatch):
+    entered, finished = threading.Event(), threading.Event()
+    tokenize = Model.tokenize
+
+    def slow(self, text, **kw):
+        if "SLOW" in text:
+            entered.set()
+            threading.Event().wait(10.0)  # stands for a long tokenization (bounded: a blocked loop fails late)
+            finished.set()
+        return tokenize(self, text, **kw)
+
+    monkeypatch.setattr(Model, "tokenize", slow)
+    slow_request = threading.Thread(target=send, args=(served, "/v1/completions", {**BASE, "prompt": "SLOW"}))
+    slow_request.start()
+    try:
+        assert entered.wait(WAIT_S)
+        status, _, raw = send(served, "/v1/models", None, method="GET")
+        assert status == 200 and not finished.is_set(), "the event loop waited for a tokenization"
+    finally:
+        slow_request.join(WAIT_S)

@@ -41,6 +41,8 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--flash-attn", choices=tuple(FLASH_ATTN), default="auto", help="llama.cpp flash attention")
     group.add_argument("--max-tokens", type=int, default=512,
                        help="output tokens for chat requests that set no max_tokens (capped by what fits)")
+    group.add_argument("--max-input-bytes", type=int, default=4 << 20,
+                       help="largest request body in bytes; larger ones get HTTP 413 before they are read whole")
     group.add_argument("--request-timeout-s", type=float, default=argparse.SUPPRESS,
                        help="end any request after this many seconds, finish_reason 'deadline' (none: no limit)")
 
@@ -99,7 +101,8 @@ def start_http(args: argparse.Namespace) -> HttpFront:
             models.append(Model(path, n_gpu_layers=args.n_gpu_layers))
             engines[name] = Engine(models[-1], config)
         server = OpenAIServer(engines, default_max_tokens=args.max_tokens,
-                              request_timeout_s=getattr(args, "request_timeout_s", None))
+                              request_timeout_s=getattr(args, "request_timeout_s", None),
+                              max_input_bytes=args.max_input_bytes)
         address = server.start(host, port)
     except BaseException:
         _free(engines, models)

@@ -200,7 +200,35 @@ def _field_names(kind: type[_Strict], loc: Sequence[Any]) -> set[str]:
     return names & {str(p) for p in loc}
 
 
-def chat_prompt(model: Model, messages: Sequence[ChatMessageBody], *, generation: bool = True) -> list[int]:
+def text_tokens(model: Model, text: str, *, limit: tuple[int, int] | None, param: str,
+                add_special: bool = True, held: int = 0) -> list[int]:
+    """``model.tokenize(text)``, special-token text parsed, after checking the text can fit.
+
+    ``limit`` is (cells, the longest token's bytes): a text of more UTF-8 bytes than their
+    product is more tokens than the cells, so it is refused before tokenizing (a tokenizer
+    can take time quadratic in the text); ``held`` tokens come before the text. The 400 names ``param``.
+    """
+    if limit is not None:
+        cells, piece = limit
+        n_bytes = len(text.encode("utf-8"))
+        if n_bytes > max(cells - held, 0) * piece:
+            beside = f" left beside the {held} tokens before it"
+            raise ApiError(400, f"{param}: {n_bytes} bytes of text are at least {-(-n_bytes // piece)} tokens (no "
+                                f"token of this model is longer than {piece} bytes), more than the "
+                                + (f"{max(cells - held, 0)} of the context's {cells} cells{beside}" if held
+                                   else f"context's {cells} cells"), param=param,
+                           code="context_length_exceeded")
+    return model.tokenize(text, add_special=add_special, parse_special=True)
+
+
+def longest_piece(model: Model) -> int:
+    """Bytes of the model's longest token text (special tokens' text included)."""
+    return max(1, max(max(len(model.token_to_piece(t)), len(model.token_to_piece(t, special=True)))
+                      for t in range(model.n_vocab)))
+
+
+def chat_prompt(model: Model, messages: Sequence[ChatMessageBody], *, generation: bool = True,
+                limit: tuple[int, int] | None = None) -> list[int]:
     """Tokens of ``messages`` rendered by the model's chat template (special-token text parsed)."""
     rendered = []
     for i, message in enumerate(messages):
@@ -217,16 +245,22 @@ def chat_prompt(model: Model, messages: Sequence[ChatMessageBody], *, generation
         text = apply_chat_template(model, rendered, add_generation_prompt=generation)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
-    return model.tokenize(text, add_special=True, parse_special=True)
+    return text_tokens(model, text, limit=limit, param="messages")
 
 
-def completion_prompt(model: Model, prompt: str | list[Any]) -> list[int]:
-    """Tokens of a completions ``prompt``: text (special-token text parsed) or token ids; one prompt only."""
+def completion_prompt(model: Model, prompt: str | list[Any], *, limit: tuple[int, int] | None = None) -> list[int]:
+    """Tokens of a completions ``prompt``: text (special-token text parsed) or token ids; one prompt only.
+
+    ``limit``: see :func:`text_tokens` (token ids beyond its cells are refused too).
+    """
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise ApiError(400, f"prompt: kvrt serves one prompt per request, got {len(prompt)}", param="prompt")
         prompt = prompt[0]
-    tokens = model.tokenize(prompt, add_special=True, parse_special=True) if isinstance(prompt, str) else prompt
+    if not isinstance(prompt, str) and limit is not None and len(prompt) > limit[0]:
+        raise ApiError(400, f"prompt: {len(prompt)} tokens are more than the context's {limit[0]} cells",
+                       param="prompt", code="context_length_exceeded")
+    tokens = text_tokens(model, prompt, limit=limit, param="prompt") if isinstance(prompt, str) else prompt
     if not tokens:
         raise ApiError(400, "prompt: it is empty", param="prompt")
     bad = [t for t in tokens if not 0 <= t < model.n_vocab]

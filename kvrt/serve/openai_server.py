@@ -17,6 +17,10 @@ engine's queue is full. kvrt's own routes live under ``/v1/kvrt/``:
     every engine's counters (prefilled and reused tokens, slots, cells).
 
 A client that disconnects cancels its request (its slot is freed at the next step).
+A body over ``max_input_bytes`` is refused with 413 before it is read whole; a prompt
+whose text cannot fit the model's cells is refused before it is tokenized; tokenizing and
+chat templates run on a thread pool, never on the event loop (a long text would stall
+every client).
 Model names are the GGUF files' stems.
 """
 
@@ -30,8 +34,9 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
@@ -67,10 +72,15 @@ from kvrt.serve.openai_schema import (
     check_json,
     completion_prompt,
     engine_request,
+    longest_piece,
     parse,
+    text_tokens,
 )
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+DEFAULT_MAX_INPUT_BYTES = 4 << 20  # a request body's bytes (a 10 MB chat message froze every client for seconds)
+TOKENIZER_THREADS = 2
+_T = TypeVar("_T")
 
 
 class _Bridge:
@@ -105,14 +115,22 @@ class OpenAIServer:
 
     ``default_max_tokens`` caps chat / fork requests that give no max_tokens;
     ``request_timeout_s`` (if set) is every request's deadline; the tokens of the latest
-    ``remember`` completions are kept for ``/v1/kvrt/fork``.
+    ``remember`` completions are kept for ``/v1/kvrt/fork``; a request body over
+    ``max_input_bytes`` is answered 413.
     """
 
     def __init__(self, engines: Mapping[str, Engine], *, default_max_tokens: int = 512,
-                 request_timeout_s: float | None = None, remember: int = 1024) -> None:
+                 request_timeout_s: float | None = None, remember: int = 1024,
+                 max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> None:
         if not engines:
             raise KvrtError("the OpenAI server needs at least one model")
+        if isinstance(max_input_bytes, bool) or not isinstance(max_input_bytes, int) or max_input_bytes < 1:
+            raise KvrtError(f"max_input_bytes must be a positive integer, got {max_input_bytes!r}")
+        self.max_input_bytes = max_input_bytes
+        self._tokenizer = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvrt-tokenize")
         self.engines = dict(engines)
+        self._pieces = {name: self._tokenizer.submit(longest_piece, engine.model)  # model name -> its longest
+                        for name, engine in self.engines.items()}                  # token's bytes (a vocab pass)
         self.default_max_tokens = default_max_tokens
         self.request_timeout_s = request_timeout_s
         self._remember_n = remember
@@ -160,7 +178,8 @@ class OpenAIServer:
         if body.echo:
             raise ApiError(400, "echo is not supported by kvrt's server", param="echo", code="unsupported_parameter")
         engine = self._engine(body.model)
-        prompt = completion_prompt(engine.model, body.prompt)
+        limit = await self._limit(body.model)
+        prompt = await self._off_loop(lambda: completion_prompt(engine.model, body.prompt, limit=limit))
         return await self._run(request, "text", body, engine, prompt,
                                body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs)
 
@@ -169,7 +188,8 @@ class OpenAIServer:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         engine = self._engine(body.model)
-        prompt = chat_prompt(engine.model, body.messages)
+        limit = await self._limit(body.model)
+        prompt = await self._off_loop(lambda: chat_prompt(engine.model, body.messages, limit=limit))
         return await self._run(request, "chat", body, engine, prompt, body.max_completion_tokens or body.max_tokens,
                                (body.top_logprobs or 0) if body.logprobs else None)
 
@@ -186,7 +206,10 @@ class OpenAIServer:
         if body.choice >= len(choices):
             raise ApiError(400, f"choice: completion {body.completion_id!r} has {len(choices)} choice(s)",
                            param="choice")
-        suffix = engine.model.tokenize(body.prompt, add_special=False, parse_special=True) if body.prompt else []
+        limit = await self._limit(body.model)
+        held = len(choices[body.choice])
+        suffix = await self._off_loop(lambda: text_tokens(engine.model, body.prompt, limit=limit, param="prompt",
+                                                          add_special=False, held=held)) if body.prompt else []
         return await self._run(request, "text", body, engine, choices[body.choice] + suffix, body.max_tokens,
                                body.logprobs)
 
@@ -195,8 +218,11 @@ class OpenAIServer:
         engine = self._engine(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
-        tokens = (completion_prompt(engine.model, body.prompt) if body.prompt is not None
-                  else chat_prompt(engine.model, body.messages or [], generation=False))
+        limit = await self._limit(body.model)
+        tokens = await self._off_loop(lambda: completion_prompt(engine.model, body.prompt, limit=limit)
+                                      if body.prompt is not None
+                                      else chat_prompt(engine.model, body.messages or [], generation=False,
+                                                       limit=limit))
         bridge = _Bridge()
         stream = self._submit(engine, lambda: engine.pin(tokens, notify=bridge.notify), None)
         result = await self._collect(request, stream, bridge)
@@ -217,8 +243,33 @@ class OpenAIServer:
         return {name: asdict(engine.stats()) for name, engine in self.engines.items()}
 
     # -- the shared path ------------------------------------------------------------------
+    async def _off_loop(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` on the tokenizer threads (tokenizing and chat templates never run on the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer, fn)
+
+    async def _limit(self, model_name: str) -> tuple[int, int]:
+        """(cells, longest token's bytes) of a model: what a prompt's text is checked against before tokenizing."""
+        return self.engines[model_name].n_cells, await asyncio.wrap_future(self._pieces[model_name])
+
+    async def _body(self, request: HttpRequest) -> bytes:
+        """The request body, refused with 413 as soon as it is known to exceed ``max_input_bytes``."""
+        def too_large(size: str) -> ApiError:
+            return ApiError(413, f"the request body is {size} bytes; this server takes at most {self.max_input_bytes}"
+                                 " (kvrt serve --max-input-bytes)", code="request_too_large")
+
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_input_bytes:
+            raise too_large(declared)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_input_bytes:
+                raise too_large(f"more than {size - len(chunk)}")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def _json(self, request: HttpRequest) -> Any:
-        raw = await request.body()
+        raw = await self._body(request)
         try:
             body = json.loads(raw)
         except RecursionError:
@@ -393,6 +444,7 @@ class OpenAIServer:
             self._server.should_exit = True
             self._thread.join()
             self._server = self._thread = None
+        self._tokenizer.shutdown(wait=False, cancel_futures=True)
 
     def run(self, host: str, port: int) -> None:
         """Serve in this thread until SIGINT / SIGTERM (uvicorn handles both)."""
