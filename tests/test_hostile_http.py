@@ -279,3 +279,18 @@ def test_tokenization_does_not_block_other_clients(served, tiny_model, monkeypat
         assert status == 200 and not finished.is_set(), "the event loop waited for a tokenization"
     finally:
         slow_request.join(WAIT_S)
+
+
+def test_pinning_a_cached_prompt_twice_answers_and_leaves_no_slot_active(served, tiny_model):
+    body = {"model": "tiny", "prompt": "a document pinned twice " * 3}
+    ids = []
+    for expected_cached in (False, True):
+        status, _, raw = send(served, "/v1/kvrt/pins", body)
+        assert status == 200, raw[:300]
+        pin = json.loads(raw)
+        assert (pin["cached_tokens"] == pin["tokens"]) is expected_cached, pin
+        ids.append(pin["id"])
+    assert "active" not in served["engine"].stats().slots
+    for pin_id in ids:
+        assert send(served, f"/v1/kvrt/pins/{pin_id}", None, method="DELETE")[0] == 200
+    assert_still_serves(served, tiny_model)
