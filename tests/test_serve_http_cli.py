@@ -68,6 +68,35 @@ def test_json_schema_completion(client, demo_model_path: Path):
     jsonschema.validate(json.loads(response.choices[0].message.content), schema)
 
 
+@pytest.mark.parametrize("option, value", [
+    ("--max-tokens", "-5"), ("--max-tokens", "0"), ("--request-timeout-s", "-1"), ("--request-timeout-s", "nan"),
+    ("--request-timeout-s", "inf"), ("--shutdown-timeout-s", "nan"), ("--max-input-bytes", "0"), ("--n-ctx", "-1"),
+    ("--slots", "0"), ("--max-queue", "-3"),
+])
+def test_bad_numbers_are_refused_naming_the_option(option: str, value: str):
+    done = subprocess.run([*KVRT, "serve", "--http", "127.0.0.1:0", option, value], capture_output=True, text=True,
+                          timeout=WAIT_S, env={**os.environ, "KVRT_EXTRA_BUFTS": "off"})
+    assert done.returncode == 2 and option in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_an_address_that_cannot_be_served_is_one_error_line(demo_model_path: Path):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        for address, says in [(f"127.0.0.1:{taken.getsockname()[1]}", "in use"),
+                              ("no-such-host.invalid:8000", "no-such-host.invalid")]:
+            done = subprocess.run([*KVRT, "serve", "--http", address, "--model", str(demo_model_path), "--threads",
+                                   "1"], capture_output=True, text=True, timeout=WAIT_S,
+                                  env={**os.environ, "KVRT_EXTRA_BUFTS": "off"})
+            assert done.returncode in (1, 2) and "Traceback" not in done.stderr, done.stderr
+            assert says in done.stderr and address in done.stderr, done.stderr
+    finally:
+        taken.close()
+
+
 @pytest.mark.parametrize("args, says", [
     (["--http", "localhost"], "HOST:PORT"),
     (["--http", "127.0.0.1:0", "--socket", "/tmp/kvrt-never.sock"], "exactly one of"),

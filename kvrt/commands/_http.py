@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,25 +27,51 @@ earlier one reuses that one's cached cells and only the rest is computed. kvrt's
 /v1/kvrt/stats. A model's name is its file name without .gguf."""
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the option in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def seconds(*, zero: bool) -> Callable[[str], float]:
+    """argparse type: a finite number of seconds, > 0 (``zero``: >= 0)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"must be a finite number of seconds {'>= 0' if zero else '> 0'}, "
+                                             f"got {text!r}")
+        return value
+
+    return parse
+
+
 def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     """The HTTP front's options (``--http`` itself is added by the caller)."""
     group = parser.add_argument_group("HTTP front (--http)")
     group.add_argument("--model", metavar="PATH", action="append", default=argparse.SUPPRESS,
                        help="a GGUF file to serve; repeat for several models (none given: the demo model)")
-    group.add_argument("--n-ctx", type=int, default=4096,
+    group.add_argument("--n-ctx", type=positive_int, default=4096,
                        help="token cells per model, shared by all its requests (prompt and output)")
-    group.add_argument("--slots", type=int, default=8, help="requests (or choices) decoded together per model")
-    group.add_argument("--n-batch", type=int, default=512, help="most tokens computed in one step")
-    group.add_argument("--prefill-chunk", type=int, default=256,
+    group.add_argument("--slots", type=positive_int, default=8, help="requests (or choices) decoded together per model")
+    group.add_argument("--n-batch", type=positive_int, default=512, help="most tokens computed in one step")
+    group.add_argument("--prefill-chunk", type=positive_int, default=256,
                        help="most prompt tokens one request computes per step, so long prompts do not stall others")
-    group.add_argument("--max-queue", type=int, default=64,
+    group.add_argument("--max-queue", type=positive_int, default=64,
                        help="requests waiting per model before new ones get HTTP 503")
     group.add_argument("--flash-attn", choices=tuple(FLASH_ATTN), default="auto", help="llama.cpp flash attention")
-    group.add_argument("--max-tokens", type=int, default=512,
+    group.add_argument("--max-tokens", type=positive_int, default=512,
                        help="output tokens for chat requests that set no max_tokens (capped by what fits)")
-    group.add_argument("--max-input-bytes", type=int, default=4 << 20,
+    group.add_argument("--max-input-bytes", type=positive_int, default=4 << 20,
                        help="largest request body in bytes; larger ones get HTTP 413 before they are read whole")
-    group.add_argument("--request-timeout-s", type=float, default=argparse.SUPPRESS,
+    group.add_argument("--request-timeout-s", type=seconds(zero=False), default=argparse.SUPPRESS,
                        help="end any request after this many seconds, finish_reason 'deadline' (none: no limit)")
 
 
@@ -103,7 +131,7 @@ def start_http(args: argparse.Namespace) -> HttpFront:
         server = OpenAIServer(engines, default_max_tokens=args.max_tokens,
                               request_timeout_s=getattr(args, "request_timeout_s", None),
                               max_input_bytes=args.max_input_bytes)
-        address = server.start(host, port)
+        address = server.start(host, port)  # an address it cannot listen on: KvrtError, one line
     except BaseException:
         _free(engines, models)
         raise

@@ -423,8 +423,15 @@ class OpenAIServer:
         import uvicorn
 
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        except OSError as exc:  # in use, not this machine's, or a host name that does not resolve
+            sock.close()
+            reason = exc.strerror or str(exc)
+            if isinstance(exc, socket.gaierror):
+                reason = f"the host name {host!r} does not resolve ({reason})"
+            raise KvrtError(f"cannot listen on {host}:{port}: {reason}") from None
         server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="kvrt-http", daemon=True)
         thread.start()
