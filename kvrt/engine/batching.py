@@ -194,6 +194,10 @@ class Engine:
 
     # -- the worker ---------------------------------------------------------------------
     def _run(self) -> None:
+        with self.ctx._handle.use():  # the context is this thread's until close(): nobody frees it under a decode
+            self._loop()
+
+    def _loop(self) -> None:
         while not self._closing:
             try:
                 busy = self.step()

@@ -162,6 +162,10 @@ class Sampler(OwnsHandle):
 
     def sample(self, ctx: Context, row: int) -> int:
         """Pick the next token from the logits of batch row ``row`` and accept it."""
+        with ctx._handle.use():  # the context is not freed meanwhile (see Context.close)
+            return self._sample(ctx, row)
+
+    def _sample(self, ctx: Context, row: int) -> int:
         if self.plain_greedy:
             return ctx.argmax([row])[0]  # raises on a row without logits
         if not ctx.has_logits(row):
