@@ -94,6 +94,10 @@ class HttpFront:
     models: list[Model] = field(default_factory=list)
 
     def close(self) -> None:
+        """Stop accepting, end open requests (streams get their final event and [DONE]), then free everything."""
+        self.server.stop_accepting()
+        for engine in self.engines.values():
+            engine.close()
         self.server.stop()
         _free(self.engines, self.models)
 

@@ -445,8 +445,13 @@ class OpenAIServer:
         self._server, self._thread = server, thread
         return sock.getsockname()[0], sock.getsockname()[1]
 
+    def stop_accepting(self) -> None:
+        """Begin :meth:`stop`: no new connections; open ones finish (close the engines to end their requests)."""
+        if self._server is not None:
+            self._server.should_exit = True
+
     def stop(self) -> None:
-        """Stop a server started with :meth:`start` (open streams are closed)."""
+        """Stop a server started with :meth:`start` (waits for open requests; see :meth:`stop_accepting`)."""
         if self._server is not None and self._thread is not None:
             self._server.should_exit = True
             self._thread.join()
