@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvrt.bindings import FLASH_ATTN
+from kvrt.commands._args import positive_int, seconds
 from kvrt.errors import KvrtError
 
 if TYPE_CHECKING:  # the serve extra's imports wait until --http is used
@@ -25,32 +24,6 @@ together, one batch per step, so many requests share the machine; a prompt that 
 earlier one reuses that one's cached cells and only the rest is computed. kvrt's own routes:
 /v1/kvrt/pins (keep a prefix cached), /v1/kvrt/fork (continue an earlier completion),
 /v1/kvrt/stats. A model's name is its file name without .gguf."""
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (argparse names the option in its error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def seconds(*, zero: bool) -> Callable[[str], float]:
-    """argparse type: a finite number of seconds, > 0 (``zero``: >= 0)."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
-            raise argparse.ArgumentTypeError(f"must be a finite number of seconds {'>= 0' if zero else '> 0'}, "
-                                             f"got {text!r}")
-        return value
-
-    return parse
 
 
 def add_http_arguments(parser: argparse.ArgumentParser) -> None:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from kvrt.serve.daemon import Daemon
 
 from kvrt.commands import _http
+from kvrt.commands._args import seconds
 from kvrt.errors import KvrtError
 
 HELP = "serve agents over a Unix socket (lmxd's protocol) or over HTTP (OpenAI's API)"
@@ -79,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="clients served at once; more get ERR TOO_MANY_CONNECTIONS")
     parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
                         help="close a connection silent this long, with ERR IDLE_TIMEOUT (0: never)")
-    parser.add_argument("--shutdown-timeout-s", type=_http.seconds(zero=True), default=DEFAULT_STOP_TIMEOUT_S,
+    parser.add_argument("--shutdown-timeout-s", type=seconds(zero=True), default=DEFAULT_STOP_TIMEOUT_S,
                         help="on SIGTERM, wait at most this long for the running request")
     _http.add_http_arguments(parser)
 
