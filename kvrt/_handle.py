@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from kvrt.bindings import ffi
@@ -14,10 +16,13 @@ class NativeHandle:
 
     ``borrowed`` handles belong to someone else (a ``llama_cpp.Llama``), so closing
     only forgets them. After :meth:`close`, :attr:`ptr` raises :class:`ClosedError`
-    instead of handing a dangling pointer to C.
+    instead of handing a dangling pointer to C. Calls into C that may run while another
+    thread closes the handle hold :meth:`use`: :meth:`close` refuses new users at once and
+    frees only when the running ones are done (llama_free under a running llama_decode
+    killed the process).
     """
 
-    __slots__ = ("_ptr", "_free", "_what", "borrowed")
+    __slots__ = ("_ptr", "_free", "_what", "borrowed", "_idle", "_users")
 
     def __init__(self, ptr: Any, free: Callable[[Any], None], what: str, *, borrowed: bool = False) -> None:
         if ptr == ffi.NULL:
@@ -26,6 +31,8 @@ class NativeHandle:
         self._free = free
         self._what = what
         self.borrowed = borrowed
+        self._idle = threading.Condition(threading.Lock())
+        self._users: dict[int, int] = {}  # thread id -> calls it is inside
 
     @classmethod
     def borrow(cls, ctypes_pointer: Any, c_type: str, what: str) -> NativeHandle:
@@ -47,10 +54,44 @@ class NativeHandle:
     def closed(self) -> bool:
         return self._ptr is None
 
+    @contextmanager
+    def use(self) -> Iterator[Any]:
+        """The pointer, kept alive (not freed by :meth:`close` on another thread) until the block ends."""
+        me = threading.get_ident()
+        with self._idle:
+            if self._ptr is None:
+                raise ClosedError(f"{self._what} was already freed")
+            self._users[me] = self._users.get(me, 0) + 1
+            ptr = self._ptr
+        try:
+            yield ptr
+        finally:
+            with self._idle:
+                left = self._users[me] - 1
+                if left:
+                    self._users[me] = left
+                else:
+                    del self._users[me]
+                    self._idle.notify_all()
+
     def close(self) -> None:
-        ptr, self._ptr = self._ptr, None
+        """Free the pointer once no other thread is inside a call on it (new calls are refused at once)."""
+        idle = getattr(self, "_idle", None)
+        if idle is None:  # a half-built object's finaliser
+            return
+        with idle:
+            if threading.get_ident() in self._users:
+                raise KvrtError(f"{self._what} cannot be closed from inside a call on it")
+            ptr, self._ptr = self._ptr, None
+            while self._users:
+                idle.wait()
         if ptr is not None and not self.borrowed:
             self._free(ptr)
+
+    def used_by_others(self, me: int) -> bool:
+        """Some thread other than ``me`` is inside a call on it."""
+        with self._idle:
+            return any(thread != me for thread in self._users)
 
 
 def _never_called(ptr: Any) -> None:

@@ -225,6 +225,20 @@ def test_n_choices_fork_one_prefill(tiny_model):
     assert result.end.completion_tokens == sum(len(c.tokens) for c in result.choices)
 
 
+def test_choice_seeds_wrap_past_llama_cpps_random_seed(tiny_model):
+    """seed + i skips 2**32 - 1 (LLAMA_DEFAULT_SEED, a random seed): every choice is reproducible."""
+    prompt = text_tokens(tiny_model, PROMPTS[1])
+
+    def sampled(seed: int) -> GenerationParams:
+        return GenerationParams(max_tokens=12, sampling=SamplingParams(temperature=1.0, top_k=0, top_p=1.0,
+                                                                       min_p=0.0, seed=seed))
+
+    with engine(tiny_model) as eng:
+        result = eng.submit(Request(prompt, sampled(2**32 - 2), n=2)).result(WAIT_S)
+    assert result.choices[0].tokens == alone(tiny_model, prompt, sampled(2**32 - 2))
+    assert result.choices[1].tokens == alone(tiny_model, prompt, sampled(0))
+
+
 @pytest.mark.parametrize("layout", ["split", "unified"])
 def test_long_prompt_is_prefilled_in_chunks_beside_a_decoding_request(tiny_model, layout):
     gate = StepGate()
@@ -412,6 +426,24 @@ def test_pinned_prefix_survives_eviction_and_is_reused(tiny_model):
         assert eng.unpin(pin.id).result(WAIT_S) is True
         assert eng.unpin(pin.id).result(WAIT_S) is False
         assert "pinned" not in eng.stats().slots
+
+
+def test_a_pin_of_an_already_cached_prompt_ends_at_once(tiny_model):
+    """Nothing to prefill means no batch row ever lands for the pin: it must still end (it used to hang)."""
+    pinned = text_tokens(tiny_model, "a pinned document " * 6)
+    asked = text_tokens(tiny_model, "a question that is answered first")
+    with engine(tiny_model, n_ctx=512, n_seq_max=4) as eng:
+        first = eng.pin(pinned).result(WAIT_S)
+        again = eng.pin(pinned)
+        assert again.result(WAIT_S).end.cached_tokens == len(pinned) and first.end.cached_tokens == 0
+        eng.submit(Request(asked, greedy(4))).result(WAIT_S)
+        assert eng.pin(asked).result(WAIT_S).end.cached_tokens == len(asked)  # a completion just used it
+        assert "active" not in eng.stats().slots and eng.stats().slots.count("pinned") == 3
+        assert eng.unpin(again.id).result(WAIT_S) is True
+        question = pinned + text_tokens(tiny_model, "and a question?", bos=False)
+        result = eng.submit(Request(question, greedy(8))).result(WAIT_S)
+        assert result.end.cached_tokens == len(pinned)
+        assert result.choices[0].tokens == alone(tiny_model, question, greedy(8))
 
 
 def test_pins_count_against_the_cells_a_request_can_have(tiny_model):

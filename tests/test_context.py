@@ -234,3 +234,47 @@ def test_writes_through_a_borrowed_context_keep_the_llama_correct(tiny_model_pat
     prefill(ctx, ctx.model.tokenize("Something else entirely, written by kvrt."))
     assert llm.n_tokens == 0
     assert llm("The quick brown fox", max_tokens=8, temperature=0.0)["choices"][0]["text"] == expected
+
+
+CLOSE_UNDER_DECODE = r"""
+import sys, threading
+from kvrt import Context, GenerationParams, generate
+from kvrt.engine.model import Model
+from kvrt.errors import KvrtError
+
+model = Model(sys.argv[1])
+ctx = Context(model, n_ctx=1024, n_batch=8, n_ubatch=8, flash_attn="off")
+started, outcome = threading.Event(), []
+
+def work():
+    try:
+        for _ in range(20):
+            started.set()
+            ctx.clear()
+            generate(ctx, list(range(3, 400)), GenerationParams(max_tokens=200))
+        outcome.append("finished")
+    except KvrtError as exc:
+        outcome.append(type(exc).__name__)
+
+worker = threading.Thread(target=work)
+worker.start()
+started.wait()
+for _ in range(1000):  # close while the other thread is somewhere inside generate (prefill of 8-token batches)
+    pass
+ctx.close()
+worker.join()
+assert outcome == ["ClosedError"], outcome
+assert ctx.closed
+model.close()
+print("OK", outcome)
+"""
+
+
+def test_closing_a_context_while_another_thread_decodes_waits_for_the_decode(tiny_model_path):
+    """It used to free the context under llama_decode (SIGSEGV): run in a child, so a crash fails the test."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", CLOSE_UNDER_DECODE, str(tiny_model_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "OK" in done.stdout, (done.returncode, done.stdout, done.stderr[-3000:])

@@ -153,3 +153,43 @@ def test_a_partial_copy_between_streams_is_refused_before_llama_cpp_asserts(tiny
         with pytest.raises(KvrtError, match="copies whole sequences only"):
             ctx.seq_cp(0, 1, 0, 10)
         ctx.seq_cp(0, 1)  # a whole sequence is fine
+
+
+def test_requests_submitted_while_the_layout_switches_all_complete(tiny_model):
+    """Other threads read the engine (cells, stats) and submit while the worker recreates the context back and
+    forth: nothing they touch may be the context being freed (the H200 peer run answered 'context was already
+    freed' to 20 of 32 requests before n_cells stopped reading the context)."""
+    import threading
+
+    short = [h[1:] for h in private_histories(tiny_model.n_vocab, 2, 30, seed=8)]  # nothing shared with the long
+    long = private_histories(tiny_model.n_vocab, 3, 400, seed=9)
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader(eng: Engine) -> None:
+        while not stop.is_set():
+            try:
+                assert eng.n_cells == 512
+                eng.stats()
+            except BaseException as exc:  # noqa: BLE001 - any failure is the finding
+                errors.append(exc)
+                return
+
+    with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64) as eng:
+        thread = threading.Thread(target=reader, args=(eng,))
+        thread.start()
+        try:
+            results = []
+            for big in long:  # each long request turns the context unified; two short ones evict it, idle: split
+                for prompt in [big, *short]:
+                    results.append(eng.submit(Request(prompt, greedy(2))).result(WAIT_S))
+                deadline = time.monotonic() + WAIT_S
+                while eng.stats().kv_layout != "split" and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            switches = eng.stats().relayouts
+        finally:
+            stop.set()
+            thread.join()
+    assert not errors
+    assert all(r.end.error is None and len(r.choices[0].tokens) == 2 for r in results)
+    assert switches == 2 * len(long)

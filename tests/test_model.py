@@ -138,3 +138,39 @@ def test_llama_cpp_llama_takes_the_machine_verdict(tiny_model_path: Path) -> Non
     import llama_cpp.llama_cpp as bindings
 
     assert bindings.llama_model_default_params().use_extra_bufts is True  # the factory is restored
+
+
+CLOSE_UNDER_ENGINE = r"""
+import sys
+from kvrt import GenerationParams
+from kvrt.engine.batching import Engine, EngineConfig
+from kvrt.engine.model import Model
+from kvrt.engine.requests import Request
+from kvrt.errors import KvrtError
+
+model = Model(sys.argv[1])
+engine = Engine(model, EngineConfig(n_ctx=1024, n_seq_max=2, n_batch=8, prefill_chunk=8, flash_attn="off"))
+stream = engine.submit(Request(list(range(3, 100)), GenerationParams(max_tokens=40)))
+stream.get(60)  # the first event: the prefill is running or done, decoding goes on
+try:
+    model.close()
+    raise AssertionError("a model under a running engine was closed")
+except KvrtError as exc:
+    assert "in use by other threads" in str(exc), exc
+assert not model.closed and not engine.ctx.closed  # the refusal changed nothing
+assert stream.result(60).choices[0].finish_reason == "length"  # the request runs to its end
+engine.close()
+model.close()
+assert model.closed
+print("OK")
+"""
+
+
+def test_closing_a_model_under_a_running_engine_does_not_crash(tiny_model_path: Path) -> None:
+    """llama_free ran while the engine's thread was in llama_decode (SIGSEGV / SIGABRT): a child process."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", CLOSE_UNDER_ENGINE, str(tiny_model_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "OK" in done.stdout, (done.returncode, done.stdout, done.stderr[-3000:])

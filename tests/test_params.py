@@ -42,6 +42,7 @@ def test_sampling_must_be_sampling_params():
     ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", -0.5), ("temperature", "1"),
     ("temperature", True), ("top_k", 2.0), ("top_k", -1), ("top_k", True), ("top_p", float("nan")),
     ("top_p", 0.0), ("top_p", "0.9"), ("min_p", 1.0), ("min_p", float("nan")), ("seed", -1), ("seed", 2**32),
+    ("seed", 2**32 - 1),
     ("seed", 1.5), ("seed", None),
 ], ids=lambda v: repr(v))
 def test_sampling_values_are_checked(field, bad):

@@ -192,3 +192,38 @@ def test_bad_nodes_are_refused_as_pipeline_errors(tiny_model, call, reason):
 def test_bad_pipeline_settings_are_refused(tiny_model, kwargs, reason):
     with pytest.raises(PipelineError, match=reason):
         Pipeline(tiny_model, **kwargs)
+
+
+DEEP = 5000  # past Python's recursion limit: the checks and the scheduling must not recurse
+
+
+def test_a_deep_chain_declared_backwards_runs_in_order(tiny_model):
+    pipe = Pipeline(tiny_model, max_workers=2)
+    for i in range(DEEP):  # node i depends on node i + 1, declared after it
+        pipe.node(f"n{i}", (lambda out, i=i: out[f"n{i + 1}"] + 1) if i < DEEP - 1 else (lambda out: 0),
+                  deps=[f"n{i + 1}"] if i < DEEP - 1 else [])
+    result = pipe.run()
+    assert result.outputs["n0"] == DEEP - 1 and len(result.outputs) == DEEP
+
+
+def test_a_deep_chain_fails_every_dependent_of_its_bottom(tiny_model):
+    pipe = Pipeline(tiny_model, max_workers=2)
+
+    def boom(out):
+        raise ValueError("bottom")
+
+    for i in range(DEEP):
+        pipe.node(f"n{i}", boom if i == DEEP - 1 else (lambda out: 1), deps=[f"n{i + 1}"] if i < DEEP - 1 else [])
+    result = pipe.run(raise_errors=False)
+    assert not result.outputs and len(result.errors) == DEEP
+    assert isinstance(result.errors["n0"], DependencyFailed)
+
+
+def test_a_long_cycle_is_a_cycle_error(tiny_model):
+    pipe = Pipeline(tiny_model)
+    for i in range(DEEP):
+        pipe.node(f"n{i}", lambda out: 1, deps=[f"n{(i + 1) % DEEP}"])
+    with pytest.raises(CycleError) as info:
+        pipe.run()
+    assert info.value.cycle == [f"n{i % DEEP}" for i in range(DEEP + 1)]
+    assert info.value.edge == (f"n{DEEP - 1}", "n0")

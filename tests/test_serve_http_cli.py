@@ -7,6 +7,7 @@ JSON schema, refuses a bad address or both fronts at once, and exits 0 on SIGTER
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -68,6 +69,35 @@ def test_json_schema_completion(client, demo_model_path: Path):
     jsonschema.validate(json.loads(response.choices[0].message.content), schema)
 
 
+@pytest.mark.parametrize("option, value", [
+    ("--max-tokens", "-5"), ("--max-tokens", "0"), ("--request-timeout-s", "-1"), ("--request-timeout-s", "nan"),
+    ("--request-timeout-s", "inf"), ("--shutdown-timeout-s", "nan"), ("--max-input-bytes", "0"), ("--n-ctx", "-1"),
+    ("--slots", "0"), ("--max-queue", "-3"),
+])
+def test_bad_numbers_are_refused_naming_the_option(option: str, value: str):
+    done = subprocess.run([*KVRT, "serve", "--http", "127.0.0.1:0", option, value], capture_output=True, text=True,
+                          timeout=WAIT_S, env={**os.environ, "KVRT_EXTRA_BUFTS": "off"})
+    assert done.returncode == 2 and option in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_an_address_that_cannot_be_served_is_one_error_line(demo_model_path: Path):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        for address, says in [(f"127.0.0.1:{taken.getsockname()[1]}", "in use"),
+                              ("no-such-host.invalid:8000", "no-such-host.invalid")]:
+            done = subprocess.run([*KVRT, "serve", "--http", address, "--model", str(demo_model_path), "--threads",
+                                   "1"], capture_output=True, text=True, timeout=WAIT_S,
+                                  env={**os.environ, "KVRT_EXTRA_BUFTS": "off"})
+            assert done.returncode in (1, 2) and "Traceback" not in done.stderr, done.stderr
+            assert says in done.stderr and address in done.stderr, done.stderr
+    finally:
+        taken.close()
+
+
 @pytest.mark.parametrize("args, says", [
     (["--http", "localhost"], "HOST:PORT"),
     (["--http", "127.0.0.1:0", "--socket", "/tmp/kvrt-never.sock"], "exactly one of"),
@@ -77,3 +107,56 @@ def test_bad_invocations_are_refused_with_the_reason(args: list[str], says: str)
     done = subprocess.run([*KVRT, "serve", *args], capture_output=True, text=True, timeout=WAIT_S,
                           env={**os.environ, "KVRT_EXTRA_BUFTS": "off"})
     assert done.returncode == 2 and says in done.stderr, done.stderr
+
+
+def _start(demo_model_path: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([*KVRT, "serve", "--http", "127.0.0.1:0", "--model", str(demo_model_path), "--n-ctx",
+                             "4096", "--slots", "2", "--threads", "1", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline() if proc.stdout else ""
+    found = re.search(r"http://([^/\s]+)/v1", line)
+    if not found:
+        proc.kill()
+        pytest.fail(f"kvrt serve --http printed {line!r}")
+    return proc, found.group(1)
+
+
+def _open_stream(address: str, model: str) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """A chat stream long enough to outlast the test (4000 tokens on a CPU), its first chunk read."""
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
+    body = {"model": model, "stream": True, "max_tokens": 4000, "temperature": 0,
+            "messages": [{"role": "user", "content": "Count from 1 to 100000, one number per line."}]}
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    return connection, response
+
+
+def test_sigterm_ends_open_streams_and_exits_0(demo_model_path: Path):
+    proc, address = _start(demo_model_path, "--shutdown-timeout-s", "60")
+    try:
+        connection, response = _open_stream(address, demo_model_path.stem)
+        proc.send_signal(signal.SIGTERM)
+        rest = response.read().decode()  # the stream ends (bounded by the connection's timeout)
+        events = [e.removeprefix("data: ") for e in rest.split("\n\n") if e.strip()]
+        assert events[-1] == "[DONE]", rest[-500:]
+        assert "closed" in json.loads(events[-2])["error"]["message"], rest[-500:]  # ended by the shutdown
+        assert proc.wait(timeout=WAIT_S) == 0
+        connection.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_second_sigterm_exits_at_once_with_status_1(demo_model_path: Path):
+    proc, address = _start(demo_model_path)
+    try:
+        connection, response = _open_stream(address, demo_model_path.stem)
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT_S) in (0, 1)  # 0 when the first one's shutdown won the race
+        connection.close()
+    finally:
+        proc.kill()
+        proc.wait()

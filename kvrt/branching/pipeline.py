@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -140,25 +140,29 @@ class Pipeline:
                     raise PipelineError(f"node {node.name!r} depends on {dep!r}, which does not exist")
             if isinstance(node, BranchNode) and not isinstance(self._nodes[node.after], DocumentNode):
                 raise PipelineError(f"branch {node.name!r} must follow a document; {node.after!r} is not one")
+        # depth-first with an explicit stack (a chain of thousands of nodes must not hit the recursion limit)
         white, grey, black = 0, 1, 2
         colour = dict.fromkeys(self._nodes, white)
-        path: list[str] = []
-
-        def visit(name: str) -> None:
-            colour[name] = grey
-            path.append(name)
-            for dep in self._nodes[name].deps:
-                if colour[dep] == grey:
+        for root in self._nodes:
+            if colour[root] != white:
+                continue
+            colour[root] = grey
+            path: list[str] = [root]
+            stack = [iter(self._nodes[root].deps)]
+            while stack:
+                name = path[-1]
+                dep = next(stack[-1], None)
+                if dep is None:
+                    stack.pop()
+                    path.pop()
+                    colour[name] = black
+                elif colour[dep] == grey:
                     cycle = path[path.index(dep):] + [dep]
                     raise CycleError((name, dep), cycle)
-                if colour[dep] == white:
-                    visit(dep)
-            path.pop()
-            colour[name] = black
-
-        for name in self._nodes:
-            if colour[name] == white:
-                visit(name)
+                elif colour[dep] == white:
+                    colour[dep] = grey
+                    path.append(dep)
+                    stack.append(iter(self._nodes[dep].deps))
 
     def _plan(self) -> tuple[dict[str, list[int]], dict[str, int]]:
         """Document tokens and each branch's watermark, after checking every budget."""
@@ -216,6 +220,11 @@ class _Run:
         self.snapshots: dict[tuple[str, int], Snapshot] = {}
         self.result = PipelineResult()
         self.state: dict[str, str] = dict.fromkeys(pipeline._nodes, "waiting")
+        self.open = len(self.state)  # nodes not done or failed yet
+        self.dependents: dict[str, list[str]] = {}  # node -> the nodes that depend on it
+        for node in pipeline._nodes.values():
+            for dep in node.deps:
+                self.dependents.setdefault(dep, []).append(node.name)
         self.t0 = 0.0
 
     def _ms(self) -> float:
@@ -227,12 +236,13 @@ class _Run:
         try:
             with ThreadPoolExecutor(self.p.max_workers, thread_name_prefix="kvrt-pipeline") as executor:
                 self._schedule(executor, pool)
-                while any(s in ("waiting", "running") for s in self.state.values()):
+                while self.open:
                     kind, name, payload = self.events.get()
-                    if kind == "mark":
-                        self._schedule(executor, pool)
+                    if kind == "mark":  # branches of that document may start
+                        self._schedule(executor, pool, self.dependents.get(name, ()))
                         continue
                     self.result.timings_ms.setdefault(name, {})["end_ms"] = self._ms()
+                    self.open -= 1
                     if kind == "done":
                         self.state[name] = "done"
                         self.result.outputs[name] = payload
@@ -240,7 +250,7 @@ class _Run:
                         self.state[name] = "failed"
                         self.result.errors[name] = payload
                         self._fail_dependents(name, payload)
-                    self._schedule(executor, pool)
+                    self._schedule(executor, pool, self.dependents.get(name, ()))
         finally:
             cache = self.p.cache
             for (doc, mark), snapshot in self.snapshots.items():
@@ -257,22 +267,30 @@ class _Run:
             return (node.after, self.marks[node.name]) in self.snapshots
         return all(self.state[d] == "done" for d in node.deps)
 
-    def _schedule(self, executor: ThreadPoolExecutor, pool: ContextPool) -> None:
-        for name, node in self.p._nodes.items():
+    def _schedule(self, executor: ThreadPoolExecutor, pool: ContextPool,
+                  candidates: Iterable[str] | None = None) -> None:
+        """Start the waiting nodes among ``candidates`` (default: all) that are ready."""
+        for name in self.p._nodes if candidates is None else candidates:
+            node = self.p._nodes[name]
             if self.state[name] == "waiting" and self._ready(node):
                 self.state[name] = "running"
                 self.result.timings_ms[name] = {"start_ms": self._ms()}
                 executor.submit(self._guarded, node, pool)
 
     def _fail_dependents(self, failed: str, cause: BaseException) -> None:
-        """Fail every waiting node that depends on ``failed``, directly or not, at once."""
-        for name, node in self.p._nodes.items():
-            if self.state[name] == "waiting" and failed in node.deps:
-                error = DependencyFailed(f"{name!r} did not run: {failed!r} failed: {type(cause).__name__}: {cause}")
-                error.__cause__ = cause
-                self.state[name] = "failed"
-                self.result.errors[name] = error
-                self._fail_dependents(name, error)
+        """Fail every waiting node that depends on ``failed``, directly or not, at once (no recursion)."""
+        todo = [(failed, cause)]
+        while todo:
+            failed, cause = todo.pop()
+            for name in self.dependents.get(failed, ()):
+                if self.state[name] == "waiting":
+                    error = DependencyFailed(f"{name!r} did not run: {failed!r} failed: "
+                                             f"{type(cause).__name__}: {cause}")
+                    error.__cause__ = cause
+                    self.state[name] = "failed"
+                    self.open -= 1
+                    self.result.errors[name] = error
+                    todo.append((name, error))
 
     def _guarded(self, node: Node, pool: ContextPool) -> None:
         try:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvrt.bindings import FLASH_ATTN
+from kvrt.commands._args import non_negative_int, positive_int, seconds
 from kvrt.errors import KvrtError
 
 if TYPE_CHECKING:  # the serve extra's imports wait until --http is used
@@ -31,21 +32,23 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("HTTP front (--http)")
     group.add_argument("--model", metavar="PATH", action="append", default=argparse.SUPPRESS,
                        help="a GGUF file to serve; repeat for several models (none given: the demo model)")
-    group.add_argument("--n-ctx", type=int, default=4096,
+    group.add_argument("--n-ctx", type=positive_int, default=4096,
                        help="token cells per model for all its requests (prompt and output), laid out by --kv-layout")
-    group.add_argument("--slots", type=int, default=8, help="requests (or choices) decoded together per model")
-    group.add_argument("--n-batch", type=int, default=512, help="most tokens computed in one step")
-    group.add_argument("--prefill-chunk", type=int, default=256,
+    group.add_argument("--slots", type=positive_int, default=8, help="requests (or choices) decoded together per model")
+    group.add_argument("--n-batch", type=positive_int, default=512, help="most tokens computed in one step")
+    group.add_argument("--prefill-chunk", type=positive_int, default=256,
                        help="most prompt tokens one request computes per step, so long prompts do not stall others")
-    group.add_argument("--host-mib", type=int, default=2048,
+    group.add_argument("--host-mib", type=non_negative_int, default=2048,
                        help="host memory (pinned on a GPU machine) for copies of conversations evicted from a model's "
                             "context, restored when they return instead of prefilled again (0: recompute them)")
-    group.add_argument("--max-queue", type=int, default=64,
+    group.add_argument("--max-queue", type=positive_int, default=64,
                        help="requests waiting per model before new ones get HTTP 503")
     group.add_argument("--flash-attn", choices=tuple(FLASH_ATTN), default="auto", help="llama.cpp flash attention")
-    group.add_argument("--max-tokens", type=int, default=512,
+    group.add_argument("--max-tokens", type=positive_int, default=512,
                        help="output tokens for chat requests that set no max_tokens (capped by what fits)")
-    group.add_argument("--request-timeout-s", type=float, default=argparse.SUPPRESS,
+    group.add_argument("--max-input-bytes", type=positive_int, default=4 << 20,
+                       help="largest request body in bytes; larger ones get HTTP 413 before they are read whole")
+    group.add_argument("--request-timeout-s", type=seconds(zero=False), default=argparse.SUPPRESS,
                        help="end any request after this many seconds, finish_reason 'deadline' (none: no limit)")
 
 
@@ -69,6 +72,10 @@ class HttpFront:
     host: HostPool | None = None
 
     def close(self) -> None:
+        """Stop accepting, end open requests (streams get their final event and [DONE]), then free everything."""
+        self.server.stop_accepting()
+        for engine in self.engines.values():
+            engine.close()
         self.server.stop()
         _free(self.engines, self.models, self.host)
 
@@ -97,8 +104,6 @@ def start_http(args: argparse.Namespace) -> HttpFront:
     names = [p.stem for p in paths]
     if len(set(names)) != len(names):
         raise KvrtError(f"two models would share a name (the file stem): {names}")
-    if args.host_mib < 0:
-        raise KvrtError(f"--host-mib must be >= 0, got {args.host_mib}")
     config = EngineConfig(n_ctx=args.n_ctx, n_seq_max=args.slots, n_batch=args.n_batch,
                           prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
                           flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout)
@@ -110,8 +115,9 @@ def start_http(args: argparse.Namespace) -> HttpFront:
             models.append(Model(path, n_gpu_layers=args.n_gpu_layers))
             engines[name] = Engine(models[-1], config, host_alloc=host.acquire)
         server = OpenAIServer(engines, default_max_tokens=args.max_tokens,
-                              request_timeout_s=getattr(args, "request_timeout_s", None))
-        address = server.start(host_name, port)
+                              request_timeout_s=getattr(args, "request_timeout_s", None),
+                              max_input_bytes=args.max_input_bytes)
+        address = server.start(host_name, port)  # an address it cannot listen on: KvrtError, one line
     except BaseException:
         _free(engines, models, host)
         raise

@@ -9,7 +9,9 @@ request finishes, queued ones get ``ERR SHUTTING_DOWN``, agents are saved (with
 ``--state-dir``), the socket file is removed, exit status 0. A request still running at
 the timeout is abandoned (exit status 1); a second signal during shutdown exits at once
 (status 1). With ``--state-dir`` a restarted daemon brings every saved agent back.
-HTTP: see :mod:`kvrt.commands._http`; SIGTERM or Ctrl-C closes open streams and exits 0.
+HTTP: see :mod:`kvrt.commands._http`; SIGTERM or Ctrl-C stops accepting, ends open requests
+(streams get a final error event and ``[DONE]``), closes the engines and exits 0, within
+``--shutdown-timeout-s`` (else exit status 1); a second signal exits at once (status 1).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from kvrt.serve.daemon import Daemon
 
 from kvrt.commands import _http
+from kvrt.commands._args import seconds
 from kvrt.errors import KvrtError
 
 HELP = "serve agents over a Unix socket (lmxd's protocol) or over HTTP (OpenAI's API)"
@@ -84,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="clients served at once; more get ERR TOO_MANY_CONNECTIONS")
     parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
                         help="close a connection silent this long, with ERR IDLE_TIMEOUT (0: never)")
-    parser.add_argument("--shutdown-timeout-s", type=float, default=DEFAULT_STOP_TIMEOUT_S,
+    parser.add_argument("--shutdown-timeout-s", type=seconds(zero=True), default=DEFAULT_STOP_TIMEOUT_S,
                         help="on SIGTERM, wait at most this long for the running request")
     _http.add_http_arguments(parser)
 
@@ -103,8 +106,22 @@ def _run_http(args: argparse.Namespace) -> int:
     print(f"kvrt serve: http://{host}:{port}/v1 serving {', '.join(front.engines)}", flush=True)
     try:
         signals.wait_for_first()
-    finally:
+    except BaseException:
         front.close()
+        raise
+    first = signals.count
+    stopper = threading.Thread(target=front.close, name="kvrt-serve-stop", daemon=True)
+    stopper.start()
+    limit = time.monotonic() + args.shutdown_timeout_s
+    while stopper.is_alive():
+        stopper.join(_SIGNAL_POLL_S)
+        if stopper.is_alive() and signals.count > first:
+            log.warning("second signal during shutdown: exiting now")
+            _exit_now(1)
+        if stopper.is_alive() and time.monotonic() > limit:
+            log.warning("the HTTP front did not stop within --shutdown-timeout-s %s s: exiting now",
+                        args.shutdown_timeout_s)
+            _exit_now(1)
     return 0
 
 

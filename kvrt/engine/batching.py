@@ -63,7 +63,7 @@ from kvrt.engine.requests import (
     RequestStream,
     RequestTooLarge,
 )
-from kvrt.engine.sampling import Sampler
+from kvrt.engine.sampling import SEEDS, Sampler
 from kvrt.errors import DecodeError, KvrtError
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,7 @@ class Engine:
         self._wake = threading.Event()
         self._closing = False
         self._steps = self._prefilled = self._reused = self._decoded = self._relayouts = 0
+        self._switch_to: bool | None = None  # the layout (shared?) the worker recreates the context in next
         self._busy_s = self._decode_s = 0.0
         self._thread = threading.Thread(target=self._run, name=f"kvrt-engine-{model.path.stem}", daemon=True)
         self._thread.start()
@@ -134,7 +135,7 @@ class Engine:
         try:
             for i in range(request.n):
                 sampling = request.params.sampling
-                samplers.append(Sampler(replace(sampling, seed=(sampling.seed + i) % 2**32), model=self.model))
+                samplers.append(Sampler(replace(sampling, seed=(sampling.seed + i) % SEEDS), model=self.model))
             return self._enqueue(Pending(self._stream("req", request, notify), samplers))
         except BaseException:
             for sampler in samplers:
@@ -212,6 +213,13 @@ class Engine:
     # -- the worker ---------------------------------------------------------------------
     def _run(self) -> None:
         while not self._closing:
+            with self.ctx._handle.use():  # the context is this thread's: nobody frees it under a decode
+                self._loop()
+            if self._switch_to is not None:  # outside use(): the switch closes this context
+                self._switch(self._switch_to)
+
+    def _loop(self) -> None:
+        while not self._closing and self._switch_to is None:
             try:
                 busy = self.step()
             except Exception as exc:  # a bug: fail what runs, keep serving the next requests
@@ -296,6 +304,9 @@ class Engine:
                 self._queue.popleft()
             self._reused += live.reused
             self._live.append(live)
+            if live.pin and not live.prefilling:  # its whole prompt was cached: no prefill row will ever land
+                self._pin_slot(live)
+                self._end(live)
 
     def _fill(self) -> list[_Row]:
         """This step's batch: every decoding choice's token, then prompt chunks within the budget, round robin."""
@@ -368,15 +379,19 @@ class Engine:
             if r.choice is not None:
                 self._pick(live, r.choice, r.row, greedy)
             elif not live.prefilling and live.pin:
-                self.cache.release(live.slot)
-                self.cache.pin(live.slot)
-                self._pins[live.stream.id] = live.slot
+                self._pin_slot(live)
             elif not live.prefilling:
                 for choice in live.choices:
                     choice.pos = len(live.prompt)
                     self._pick(live, choice, r.row, greedy)
             if live.done:
                 self._end(live)
+
+    def _pin_slot(self, live: Live) -> None:
+        """A pin's prompt is in: its slot is kept cached until unpinned."""
+        self.cache.release(live.slot)
+        self.cache.pin(live.slot)
+        self._pins[live.stream.id] = live.slot
 
     def _pick(self, live: Live, choice: Choice, row: int, greedy: dict[int, int]) -> None:
         token = greedy[row] if choice.sampler.plain_greedy else choice.sampler.sample(self.ctx, row)
@@ -394,15 +409,9 @@ class Engine:
             raise RequestTooLarge(f"prompt ({len(request.prompt)} tokens) + max_tokens "
                                   f"({request.params.max_tokens}) exceeds a slot's {self.cache.slot_cells} cells, "
                                   "and pinned prefixes keep the context split; unpin them to run it")
-        if self._live:
-            return False
-        try:
-            self._relayout(shared=True)
-        except KvrtError as exc:
-            raise RequestTooLarge(f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_tokens}) "
-                                  f"needs more than a slot's {self.cache.slot_cells} cells, and the context could "
-                                  f"not be made unified: {exc}") from exc
-        return True
+        if not self._live:
+            self._switch_to = True
+        return False
 
     def _split_when_idle(self) -> None:
         """Under ``auto``, an idle unified context becomes split again when nothing it caches needs more."""
@@ -410,11 +419,24 @@ class Engine:
                 or self._live or self.cache.pinned or self._queue):
             return
         if all(self.cache.held(slot) <= self.config.split_cells for slot in range(self.cache.n_slots)):
-            try:
-                self._relayout(shared=False)
-            except KvrtError:
+            self._switch_to = False
+
+    def _switch(self, shared: bool) -> None:
+        """The worker recreates the context in the layout asked for. If that fails, the request that needed the
+        pool is refused, or the context stays unified for good."""
+        self._switch_to = None
+        try:
+            self._relayout(shared=shared)
+        except KvrtError as exc:
+            if not shared:
                 log.warning("the context could not be made split again; it stays unified", exc_info=True)
                 self.config = replace(self.config, kv_layout="unified")
+                return
+            with self._lock:
+                pending = self._queue.popleft() if self._queue else None
+            if pending is not None:
+                pending.end("error", RequestTooLarge(f"the request needs more than a slot's {self.cache.slot_cells} "
+                                                     f"cells, and the context could not be made unified: {exc}"))
 
     def _relayout(self, *, shared: bool) -> None:
         """Recreate the context in the other layout (nothing runs, nothing is pinned), dropping what it and the

@@ -8,9 +8,10 @@ that llama.cpp does give back becomes a :class:`kvrt.errors.KvrtError`.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -92,7 +93,12 @@ class ContextParams:
 
 
 class Context(OwnsHandle):
-    """A llama.cpp context over a :class:`Model` (use as a context manager)."""
+    """A llama.cpp context over a :class:`Model` (use as a context manager).
+
+    Thread-safe to close: :meth:`close` on one thread while another is inside a call
+    (``decode``, state, memory operations, logits) waits for that call to return; later
+    calls raise :class:`kvrt.errors.ClosedError`.
+    """
 
     def __init__(self, model: Model, params: ContextParams | None = None, **overrides: Any) -> None:
         if params is None:
@@ -101,8 +107,8 @@ class Context(OwnsHandle):
             raise TypeError("give either a ContextParams or keyword overrides, not both")
         self.model = model
         self.params = params
-        with capture() as lines:
-            ptr = lib().llama_init_from_model(model.ptr, params.to_c())
+        with capture() as lines, model._handle.use() as model_ptr:
+            ptr = lib().llama_init_from_model(model_ptr, params.to_c())
         if ptr == ffi.NULL:
             raise ContextError(
                 "llama_init_from_model",
@@ -348,3 +354,19 @@ class Context(OwnsHandle):
         if self.closed:
             return "Context(closed)"
         return f"Context(n_ctx={self.n_ctx}, n_seq_max={self.n_seq_max}, model={self.model.path.name!r})"
+
+
+def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` with the context's handle held (:meth:`NativeHandle.use`): a ``close()`` on another
+    thread waits for it instead of freeing the context under llama.cpp."""
+    @functools.wraps(method)
+    def call(self: Context, *args: Any, **kwargs: Any) -> Any:
+        with self._handle.use():
+            return method(self, *args, **kwargs)
+
+    return call
+
+
+for _name in ("clear", "seq_pos_max", "seq_pos_min", "seq_rm", "seq_cp", "seq_add", "decode", "logits", "argmax",
+              "has_logits", "synchronize", "seq_state_size", "seq_state_get", "seq_state_set"):
+    setattr(Context, _name, _guarded(getattr(Context, _name)))

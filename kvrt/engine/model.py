@@ -8,8 +8,10 @@ before any state bytes reach llama.cpp.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
@@ -210,7 +212,19 @@ class Model(OwnsHandle):
         self._contexts.add(context)
 
     def close(self) -> None:
-        """Free the model, closing every context made from it first."""
+        """Free the model, closing every context made from it first.
+
+        Refused (:class:`KvrtError` naming them, nothing closed) while another thread is
+        inside a call on one of its contexts, e.g. an :class:`kvrt.engine.batching.Engine`
+        still running on it: close that first. Otherwise the model is freed once no thread
+        is inside one of its own calls (tokenizing, ...); closing never frees memory
+        llama.cpp is using.
+        """
+        me = threading.get_ident()
+        busy = [c for c in list(self._contexts) if not c.closed and c._handle.used_by_others(me)]
+        if busy:
+            raise KvrtError(f"model {self.path.name} cannot be closed: {len(busy)} of its contexts are in use by "
+                            f"other threads ({', '.join(map(repr, busy))}); close them (or their engines) first")
         for context in list(self._contexts):
             context.close()
         super().close()
@@ -336,3 +350,17 @@ class Model(OwnsHandle):
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.description}, {self.n_layer} layers"
         return f"Model({self.path.name!r}, {state})"
+
+
+def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` with the model's handle held: :meth:`Model.close` waits for it (see :class:`NativeHandle`)."""
+    @functools.wraps(method)
+    def call(self: Model, *args: Any, **kwargs: Any) -> Any:
+        with self._handle.use():
+            return method(self, *args, **kwargs)
+
+    return call
+
+
+for _name in ("tokenize", "token_to_piece", "detokenize", "is_eog", "meta"):
+    setattr(Model, _name, _guarded(getattr(Model, _name)))

@@ -18,9 +18,25 @@ if TYPE_CHECKING:
     from kvrt.engine.model import Model
 
 
+LLAMA_DEFAULT_SEED = 2**32 - 1  # llama.cpp draws a random seed for this value: it is no seed at all
+MAX_SEED = LLAMA_DEFAULT_SEED - 1
+SEEDS = MAX_SEED + 1  # seeds are [0, MAX_SEED]; seed + i wraps modulo this
+
+
+def check_seed(value: object) -> int:
+    """A reproducible seed: an int in [0, 2**32 - 2] (2**32 - 1 is llama.cpp's "pick a random seed")."""
+    if not isinstance(value, bool) and isinstance(value, int) and value == LLAMA_DEFAULT_SEED:
+        raise InvalidArgument(f"seed {LLAMA_DEFAULT_SEED} is llama.cpp's LLAMA_DEFAULT_SEED (a new random seed on "
+                              f"every run, not reproducible); give a seed in [0, {MAX_SEED}]")
+    return check_int(value, "seed", low=0, high=MAX_SEED)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How the next token is chosen; ``temperature`` 0 means greedy (argmax).
+
+    ``seed`` is in [0, 2**32 - 2] and always reproducible: llama.cpp's random-seed value
+    2**32 - 1 is refused (draw a seed yourself for a random one).
 
     Every value is checked and normalised on construction (plain ``int``/``float``), so
     a chain is never built from a NaN, an infinity, a bool or a negative temperature.
@@ -43,7 +59,7 @@ class SamplingParams:
             "top_k": check_int(self.top_k, "top_k", low=0, high=INT32_MAX),
             "top_p": check_real(self.top_p, "top_p", low=0.0, high=1.0, low_open=True),
             "min_p": check_real(self.min_p, "min_p", low=0.0, high=1.0, high_open=True),
-            "seed": check_int(self.seed, "seed", low=0, high=2**32 - 1),
+            "seed": check_seed(self.seed),
             "repeat_penalty": check_real(self.repeat_penalty, "repeat_penalty (1: off)", low=0.0, low_open=True),
             "frequency_penalty": check_real(self.frequency_penalty, "frequency_penalty"),
             "presence_penalty": check_real(self.presence_penalty, "presence_penalty"),
@@ -146,6 +162,10 @@ class Sampler(OwnsHandle):
 
     def sample(self, ctx: Context, row: int) -> int:
         """Pick the next token from the logits of batch row ``row`` and accept it."""
+        with ctx._handle.use():  # the context is not freed meanwhile (see Context.close)
+            return self._sample(ctx, row)
+
+    def _sample(self, ctx: Context, row: int) -> int:
         if self.plain_greedy:
             return ctx.argmax([row])[0]  # raises on a row without logits
         if not ctx.has_logits(row):

@@ -1,14 +1,19 @@
 """OpenAI request bodies, validated and turned into engine requests (no HTTP here).
 
-Bodies are checked with pydantic; a bad field becomes an :class:`ApiError` (HTTP 400)
-whose ``param`` names it. Sampling follows OpenAI's meaning: ``temperature`` 0 is
+Bodies are checked with pydantic, strictly (a bool is not a number, a string is not a
+number or a bool, numbers are finite, integers within what the engine can hold); a bad
+field becomes an :class:`ApiError` (HTTP 400) whose ``param`` names it. Before that,
+:func:`check_json` refuses JSON nested deeper than :data:`MAX_JSON_DEPTH` and text that
+UTF-8 cannot encode (lone surrogates such as ``"\ud800"``), naming where. Sampling follows OpenAI's meaning: ``temperature`` 0 is
 greedy, ``top_p`` 1 and no top-k / min-p unless the llama.cpp-style extensions
 ``top_k`` / ``min_p`` are given; ``frequency_penalty`` / ``presence_penalty`` (and the
 ``repetition_penalty`` extension) count every token generated so far; a missing
-``seed`` is drawn at random; ``ignore_eos`` (llama.cpp's and vLLM's extension) keeps
-generating past an end-of-generation token, and ``return_tokens`` (llama.cpp's, text
-completions) puts each choice's token ids beside its text, so a client can continue
-a completion token-exactly. ``response_format`` ``json_object`` / ``json_schema``
+(or null) ``seed`` is drawn at random; a given one is in [0, 2**32 - 2] and reproducible
+(2**32 - 1, and -1 which would wrap to it, are llama.cpp's "random seed": refused);
+``ignore_eos`` (llama.cpp's and vLLM's extension) keeps generating past an
+end-of-generation token, and ``return_tokens`` (llama.cpp's, text completions) puts each
+choice's token ids beside its text, so a client can continue a completion
+token-exactly. ``response_format`` ``json_object`` / ``json_schema``
 constrain the output through llama.cpp's grammar sampler, the schema converted to
 GBNF by llama-cpp-python's converter.
 """
@@ -18,18 +23,23 @@ from __future__ import annotations
 import json
 import secrets
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from kvrt.engine.chat import ChatTemplateError, apply_chat_template
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.model import Model
 from kvrt.engine.requests import MAX_LOGPROBS, Request
-from kvrt.engine.sampling import SamplingParams
+from kvrt.engine.sampling import MAX_SEED, SamplingParams
 
 UNSUPPORTED = ("tools", "functions", "function_call", "logit_bias", "suffix", "audio", "modalities", "prediction")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
+MAX_JSON_DEPTH = 64  # nesting of a request body (a chat body needs 4, a JSON schema rarely 20)
+INT32_MAX = 2**31 - 1  # token counts and ids are int32 in llama.cpp
+TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class ApiError(Exception):
@@ -45,7 +55,7 @@ class ApiError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -67,7 +77,7 @@ class _Body(_Strict):
     """Fields both endpoints share (OpenAI's, then llama.cpp / vLLM-style extensions)."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: TokenCount | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     n: int = Field(1, ge=1, le=64)
@@ -78,11 +88,20 @@ class _Body(_Strict):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     response_format: ResponseFormat | None = None
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=0, le=INT32_MAX)
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False  # llama.cpp / vLLM: an end-of-generation token does not end the output
+
+    @field_validator("seed")
+    @classmethod
+    def _reproducible_seed(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value <= MAX_SEED:
+            raise PydanticCustomError("seed_range", f"must be in [0, {MAX_SEED}], got {value} (2**32 - 1, and -1 "
+                                      "which wraps to it, are llama.cpp's random seed, never reproducible; leave "
+                                      "seed out or null for a random one)")
+        return value
 
 
 class CompletionBody(_Body):
@@ -96,7 +115,7 @@ class ForkBody(_Body):
     """``/v1/kvrt/fork``: continue choice ``choice`` of completion ``completion_id`` with ``prompt``."""
 
     completion_id: str
-    choice: int = Field(0, ge=0)
+    choice: int = Field(0, ge=0, le=INT32_MAX)
     prompt: str = ""
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens: bool = False
@@ -109,7 +128,7 @@ class ChatMessageBody(_Strict):
 
 class ChatBody(_Body):
     messages: list[ChatMessageBody] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -127,6 +146,38 @@ def _param(loc: Sequence[Any]) -> str:
     return out
 
 
+def check_json(body: Any) -> None:
+    """Refuse nesting deeper than :data:`MAX_JSON_DEPTH` and strings UTF-8 cannot encode (lone surrogates).
+
+    Iterative (a hostile body must not exhaust the stack); the 400 names where the problem is.
+    """
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(body, ())]
+    while stack:
+        value, loc = stack.pop()
+        if len(loc) > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels (at {_param(loc[:8])}"
+                                "...)", code="nesting_too_deep")
+        if isinstance(value, str):
+            _check_encodable(value, loc)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                _check_encodable(key, loc + (key,))
+                stack.append((item, loc + (key,)))
+        elif isinstance(value, list):
+            stack.extend((item, loc + (i,)) for i, item in enumerate(value))
+
+
+def _check_encodable(text: str, loc: tuple[Any, ...]) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        param = _param(loc) or None
+        where = f"{param}: " if param else ""
+        raise ApiError(400, f"{where}a lone surrogate {text[exc.start]!r} at character {exc.start} is not text "
+                            "(UTF-8 cannot encode it; send a valid surrogate pair or the character itself)",
+                       param=param, code="invalid_text") from None
+
+
 def parse(kind: type[_Strict], body: Any) -> Any:
     """``body`` validated as ``kind``; the first problem becomes a 400 naming its field."""
     if not isinstance(body, Mapping):
@@ -134,7 +185,9 @@ def parse(kind: type[_Strict], body: Any) -> Any:
     try:
         parsed = kind.model_validate(body)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        # a union's members each report: the one that got furthest into the value says the most
+        first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
         # a union's error carries the member type as an extra location part: keep the field's path only
         loc = [p for p in first["loc"] if isinstance(p, int) or p in _field_names(kind, first["loc"])]
         param = _param(loc) or None
@@ -154,7 +207,35 @@ def _field_names(kind: type[_Strict], loc: Sequence[Any]) -> set[str]:
     return names & {str(p) for p in loc}
 
 
-def chat_prompt(model: Model, messages: Sequence[ChatMessageBody], *, generation: bool = True) -> list[int]:
+def text_tokens(model: Model, text: str, *, limit: tuple[int, int] | None, param: str,
+                add_special: bool = True, held: int = 0) -> list[int]:
+    """``model.tokenize(text)``, special-token text parsed, after checking the text can fit.
+
+    ``limit`` is (cells, the longest token's bytes): a text of more UTF-8 bytes than their
+    product is more tokens than the cells, so it is refused before tokenizing (a tokenizer
+    can take time quadratic in the text); ``held`` tokens come before the text. The 400 names ``param``.
+    """
+    if limit is not None:
+        cells, piece = limit
+        n_bytes = len(text.encode("utf-8"))
+        if n_bytes > max(cells - held, 0) * piece:
+            beside = f" left beside the {held} tokens before it"
+            raise ApiError(400, f"{param}: {n_bytes} bytes of text are at least {-(-n_bytes // piece)} tokens (no "
+                                f"token of this model is longer than {piece} bytes), more than the "
+                                + (f"{max(cells - held, 0)} of the context's {cells} cells{beside}" if held
+                                   else f"context's {cells} cells"), param=param,
+                           code="context_length_exceeded")
+    return model.tokenize(text, add_special=add_special, parse_special=True)
+
+
+def longest_piece(model: Model) -> int:
+    """Bytes of the model's longest token text (special tokens' text included)."""
+    return max(1, max(max(len(model.token_to_piece(t)), len(model.token_to_piece(t, special=True)))
+                      for t in range(model.n_vocab)))
+
+
+def chat_prompt(model: Model, messages: Sequence[ChatMessageBody], *, generation: bool = True,
+                limit: tuple[int, int] | None = None) -> list[int]:
     """Tokens of ``messages`` rendered by the model's chat template (special-token text parsed)."""
     rendered = []
     for i, message in enumerate(messages):
@@ -171,16 +252,22 @@ def chat_prompt(model: Model, messages: Sequence[ChatMessageBody], *, generation
         text = apply_chat_template(model, rendered, add_generation_prompt=generation)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
-    return model.tokenize(text, add_special=True, parse_special=True)
+    return text_tokens(model, text, limit=limit, param="messages")
 
 
-def completion_prompt(model: Model, prompt: str | list[Any]) -> list[int]:
-    """Tokens of a completions ``prompt``: text (special-token text parsed) or token ids; one prompt only."""
+def completion_prompt(model: Model, prompt: str | list[Any], *, limit: tuple[int, int] | None = None) -> list[int]:
+    """Tokens of a completions ``prompt``: text (special-token text parsed) or token ids; one prompt only.
+
+    ``limit``: see :func:`text_tokens` (token ids beyond its cells are refused too).
+    """
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:
             raise ApiError(400, f"prompt: kvrt serves one prompt per request, got {len(prompt)}", param="prompt")
         prompt = prompt[0]
-    tokens = model.tokenize(prompt, add_special=True, parse_special=True) if isinstance(prompt, str) else prompt
+    if not isinstance(prompt, str) and limit is not None and len(prompt) > limit[0]:
+        raise ApiError(400, f"prompt: {len(prompt)} tokens are more than the context's {limit[0]} cells",
+                       param="prompt", code="context_length_exceeded")
+    tokens = text_tokens(model, prompt, limit=limit, param="prompt") if isinstance(prompt, str) else prompt
     if not tokens:
         raise ApiError(400, "prompt: it is empty", param="prompt")
     bad = [t for t in tokens if not 0 <= t < model.n_vocab]
@@ -201,11 +288,71 @@ def grammar_of(response_format: ResponseFormat | None) -> str | None:
             raise ApiError(400, "response_format.json_schema is required for type json_schema",
                            param="response_format.json_schema")
         schema = response_format.json_schema.schema_ or schema
+    schema = _local_refs(schema)
     try:
         return json_schema_to_gbnf(json.dumps(schema))
     except Exception as exc:  # the converter raises plain exceptions for schemas it cannot express
         raise ApiError(400, f"response_format: the JSON schema cannot be converted to a grammar ({exc})",
                        param="response_format") from None
+
+
+_ROOT_DEF = "kvrt-root"
+
+
+def _local_refs(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` with its ``$ref`` recursion in the shape llama-cpp-python's converter follows.
+
+    The converter resolves ``#/...`` references but never looks inside the node that holds a
+    ``$ref``: a root that is itself a reference (``{"$ref": "#/$defs/node", "$defs": ...}``) left
+    the definitions' own references unresolved (a bare ``KeyError`` came back), and ``"#"`` (the
+    whole document) it refuses. Here the root's reference moves into an ``anyOf`` of one, ``"#"``
+    becomes a reference to a copy of the root under ``$defs``, and every reference must be local
+    and resolve; anything else is a 400 that names the reference.
+    """
+    refs: list[str] = []
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if ref is not None:
+                refs.append(ref)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    if not refs:
+        return schema
+    for ref in refs:
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise ApiError(400, f"response_format: $ref {ref!r} is not supported: only local references (\"#\" or "
+                                "\"#/...\" into the schema itself) are", param="response_format",
+                           code="unsupported_schema")
+    schema = json.loads(json.dumps(schema))  # a copy to rewrite
+    if "#" in refs:
+        body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+        schema = {**{k: v for k, v in schema.items() if k in ("$defs", "definitions")}, "$ref": f"#/$defs/{_ROOT_DEF}"}
+        schema.setdefault("$defs", {})[_ROOT_DEF] = body
+        stack = [schema]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                if node.get("$ref") == "#":
+                    node["$ref"] = f"#/$defs/{_ROOT_DEF}"
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+    for ref in {r for r in refs if r != "#"}:
+        target: Any = schema
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise ApiError(400, f"response_format: $ref {ref!r} does not resolve (no {part!r} there)",
+                               param="response_format", code="invalid_schema")
+            target = target[part]
+    if "$ref" in schema:
+        ref = schema.pop("$ref")
+        schema["anyOf"] = [{"$ref": ref}]
+    return schema
 
 
 def engine_request(body: _Body, prompt: list[int], *, n_cells: int, max_tokens: int | None, default_max_tokens: int,
@@ -222,7 +369,7 @@ def engine_request(body: _Body, prompt: list[int], *, n_cells: int, max_tokens: 
         raise ApiError(400, "stop: up to 4 non-empty strings", param="stop")
     sampling = SamplingParams(
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-        seed=(secrets.randbits(32) if body.seed is None else body.seed % 2**32),
+        seed=(secrets.randbelow(MAX_SEED + 1) if body.seed is None else body.seed),
         repeat_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty, penalty_last_n=max_tokens, grammar=grammar_of(body.response_format))
     params = GenerationParams(max_tokens=max_tokens, stop=tuple(stops), sampling=sampling, ignore_eos=body.ignore_eos)

@@ -17,6 +17,10 @@ engine's queue is full. kvrt's own routes live under ``/v1/kvrt/``:
     every engine's counters (prefilled and reused tokens, slots, cells).
 
 A client that disconnects cancels its request (its slot is freed at the next step).
+A body over ``max_input_bytes`` is refused with 413 before it is read whole; a prompt
+whose text cannot fit the model's cells is refused before it is tokenized; tokenizing and
+chat templates run on a thread pool, never on the event loop (a long text would stall
+every client).
 Model names are the GGUF files' stems.
 """
 
@@ -30,8 +34,9 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from fastapi import Request as HttpRequest
@@ -57,18 +62,25 @@ from kvrt.errors import KvrtError
 from kvrt.serve.openai_format import Kind, Shaper
 from kvrt.serve.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
+    MAX_JSON_DEPTH,
     ApiError,
     ChatBody,
     CompletionBody,
     ForkBody,
     PinBody,
     chat_prompt,
+    check_json,
     completion_prompt,
     engine_request,
+    longest_piece,
     parse,
+    text_tokens,
 )
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+DEFAULT_MAX_INPUT_BYTES = 4 << 20  # a request body's bytes (a 10 MB chat message froze every client for seconds)
+TOKENIZER_THREADS = 2
+_T = TypeVar("_T")
 
 
 class _Bridge:
@@ -103,14 +115,22 @@ class OpenAIServer:
 
     ``default_max_tokens`` caps chat / fork requests that give no max_tokens;
     ``request_timeout_s`` (if set) is every request's deadline; the tokens of the latest
-    ``remember`` completions are kept for ``/v1/kvrt/fork``.
+    ``remember`` completions are kept for ``/v1/kvrt/fork``; a request body over
+    ``max_input_bytes`` is answered 413.
     """
 
     def __init__(self, engines: Mapping[str, Engine], *, default_max_tokens: int = 512,
-                 request_timeout_s: float | None = None, remember: int = 1024) -> None:
+                 request_timeout_s: float | None = None, remember: int = 1024,
+                 max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> None:
         if not engines:
             raise KvrtError("the OpenAI server needs at least one model")
+        if isinstance(max_input_bytes, bool) or not isinstance(max_input_bytes, int) or max_input_bytes < 1:
+            raise KvrtError(f"max_input_bytes must be a positive integer, got {max_input_bytes!r}")
+        self.max_input_bytes = max_input_bytes
+        self._tokenizer = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvrt-tokenize")
         self.engines = dict(engines)
+        self._pieces = {name: self._tokenizer.submit(longest_piece, engine.model)  # model name -> its longest
+                        for name, engine in self.engines.items()}                  # token's bytes (a vocab pass)
         self.default_max_tokens = default_max_tokens
         self.request_timeout_s = request_timeout_s
         self._remember_n = remember
@@ -158,7 +178,8 @@ class OpenAIServer:
         if body.echo:
             raise ApiError(400, "echo is not supported by kvrt's server", param="echo", code="unsupported_parameter")
         engine = self._engine(body.model)
-        prompt = completion_prompt(engine.model, body.prompt)
+        limit = await self._limit(body.model)
+        prompt = await self._off_loop(lambda: completion_prompt(engine.model, body.prompt, limit=limit))
         return await self._run(request, "text", body, engine, prompt,
                                body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs)
 
@@ -167,7 +188,8 @@ class OpenAIServer:
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         engine = self._engine(body.model)
-        prompt = chat_prompt(engine.model, body.messages)
+        limit = await self._limit(body.model)
+        prompt = await self._off_loop(lambda: chat_prompt(engine.model, body.messages, limit=limit))
         return await self._run(request, "chat", body, engine, prompt, body.max_completion_tokens or body.max_tokens,
                                (body.top_logprobs or 0) if body.logprobs else None)
 
@@ -184,7 +206,10 @@ class OpenAIServer:
         if body.choice >= len(choices):
             raise ApiError(400, f"choice: completion {body.completion_id!r} has {len(choices)} choice(s)",
                            param="choice")
-        suffix = engine.model.tokenize(body.prompt, add_special=False, parse_special=True) if body.prompt else []
+        limit = await self._limit(body.model)
+        held = len(choices[body.choice])
+        suffix = await self._off_loop(lambda: text_tokens(engine.model, body.prompt, limit=limit, param="prompt",
+                                                          add_special=False, held=held)) if body.prompt else []
         return await self._run(request, "text", body, engine, choices[body.choice] + suffix, body.max_tokens,
                                body.logprobs)
 
@@ -193,8 +218,11 @@ class OpenAIServer:
         engine = self._engine(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
-        tokens = (completion_prompt(engine.model, body.prompt) if body.prompt is not None
-                  else chat_prompt(engine.model, body.messages or [], generation=False))
+        limit = await self._limit(body.model)
+        tokens = await self._off_loop(lambda: completion_prompt(engine.model, body.prompt, limit=limit)
+                                      if body.prompt is not None
+                                      else chat_prompt(engine.model, body.messages or [], generation=False,
+                                                       limit=limit))
         bridge = _Bridge()
         stream = self._submit(engine, lambda: engine.pin(tokens, notify=bridge.notify), None)
         result = await self._collect(request, stream, bridge)
@@ -215,11 +243,42 @@ class OpenAIServer:
         return {name: asdict(engine.stats()) for name, engine in self.engines.items()}
 
     # -- the shared path ------------------------------------------------------------------
+    async def _off_loop(self, fn: Callable[[], _T]) -> _T:
+        """``fn()`` on the tokenizer threads (tokenizing and chat templates never run on the event loop)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer, fn)
+
+    async def _limit(self, model_name: str) -> tuple[int, int]:
+        """(cells, longest token's bytes) of a model: what a prompt's text is checked against before tokenizing."""
+        return self.engines[model_name].n_cells, await asyncio.wrap_future(self._pieces[model_name])
+
+    async def _body(self, request: HttpRequest) -> bytes:
+        """The request body, refused with 413 as soon as it is known to exceed ``max_input_bytes``."""
+        def too_large(size: str) -> ApiError:
+            return ApiError(413, f"the request body is {size} bytes; this server takes at most {self.max_input_bytes}"
+                                 " (kvrt serve --max-input-bytes)", code="request_too_large")
+
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_input_bytes:
+            raise too_large(declared)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_input_bytes:
+                raise too_large(f"more than {size - len(chunk)}")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def _json(self, request: HttpRequest) -> Any:
+        raw = await self._body(request)
         try:
-            return await request.json()
-        except ValueError:
-            raise ApiError(400, "the request body is not valid JSON") from None
+            body = json.loads(raw)
+        except RecursionError:
+            raise ApiError(400, f"the request body nests deeper than {MAX_JSON_DEPTH} levels",
+                           code="nesting_too_deep") from None
+        except ValueError:  # UnicodeDecodeError included
+            raise ApiError(400, "the request body is not valid JSON (UTF-8)") from None
+        check_json(body)
+        return body
 
     def _engine(self, name: str) -> Engine:
         engine = self.engines.get(name)
@@ -244,7 +303,10 @@ class OpenAIServer:
                         logprobs is not None, tokens=kind == "text" and body.return_tokens)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._stream(stream, bridge, shaper, usage), media_type="text/event-stream")
+            events = bridge.events(stream)
+            first = await self._admitted(request, stream, events)  # a refusal is still an HTTP error here
+            return StreamingResponse(self._stream(stream, events, first, shaper, usage),
+                                     media_type="text/event-stream")
         result = await self._collect(request, stream, bridge)
         self._remember(shaper.id, body.model, prompt, result.choices)
         return JSONResponse(shaper.response(result))
@@ -262,14 +324,25 @@ class OpenAIServer:
             grammar = job is not None and job.params.sampling.grammar is not None
             raise ApiError(400, str(exc), param="response_format" if grammar else None) from None
 
-    async def _collect(self, request: HttpRequest, stream: RequestStream, bridge: _Bridge) -> RequestResult:
-        """The whole result; the request is cancelled if the client goes away meanwhile."""
+    async def _watching(self, request: HttpRequest, stream: RequestStream) -> asyncio.Task[None]:
+        """A task that cancels ``stream`` when the client goes away."""
         async def watch() -> None:
             while not await request.is_disconnected():
                 await asyncio.sleep(DISCONNECT_POLL_S)
             stream.cancel()
 
-        watcher = asyncio.create_task(watch())
+        return asyncio.create_task(watch())
+
+    @staticmethod
+    def _raise_refusal(error: KvrtError | None) -> None:
+        if isinstance(error, RequestTooLarge):
+            raise ApiError(400, str(error), param="prompt", code="context_length_exceeded")
+        if error is not None:
+            raise ApiError(500, f"the request failed: {error}", kind="server_error")
+
+    async def _collect(self, request: HttpRequest, stream: RequestStream, bridge: _Bridge) -> RequestResult:
+        """The whole result; the request is cancelled if the client goes away meanwhile."""
+        watcher = await self._watching(request, stream)
         collector = ResultCollector(stream.request.n)
         result: RequestResult | None = None
         try:
@@ -279,22 +352,48 @@ class OpenAIServer:
             watcher.cancel()
             stream.cancel()  # harmless when the request is over
         assert result is not None  # events() ends with the RequestEnd
-        error = result.end.error
-        if isinstance(error, RequestTooLarge):
-            raise ApiError(400, str(error), param="prompt", code="context_length_exceeded")
-        if error is not None:
-            raise ApiError(500, f"the request failed: {error}", kind="server_error")
+        self._raise_refusal(result.end.error)
         return result
 
-    async def _stream(self, stream: RequestStream, bridge: _Bridge, shaper: Shaper,
-                      usage: bool) -> AsyncIterator[str]:
-        """SSE chunks as tokens arrive; leaving early (a disconnect) cancels the request."""
+    async def _admitted(self, request: HttpRequest, stream: RequestStream,
+                        events: AsyncIterator[Event]) -> list[Event]:
+        """A streamed request's events up to its first output: raises the same HTTP error as an unstreamed
+        request when the engine refused it at admission (every choice ended "error" with nothing out)."""
+        watcher = await self._watching(request, stream)
+        first: list[Event] = []
+        try:
+            async for event in events:
+                first.append(event)
+                if not (isinstance(event, ChoiceEnd) and event.finish_reason == "error" and not event.tokens):
+                    break
+        except BaseException:
+            stream.cancel()
+            raise
+        finally:
+            watcher.cancel()
+        last = first[-1] if first else None
+        if isinstance(last, RequestEnd) and last.error is not None and last.completion_tokens == 0:
+            self._raise_refusal(last.error)
+        return first
+
+    async def _stream(self, stream: RequestStream, events: AsyncIterator[Event], first: list[Event],
+                      shaper: Shaper, usage: bool) -> AsyncIterator[str]:
+        """SSE chunks as tokens arrive (``first``: those already taken from ``events``); leaving early (a
+        disconnect) cancels the request."""
         collector = ResultCollector(stream.request.n)
+
+        async def everything() -> AsyncIterator[Event]:
+            for event in first:
+                yield event
+            if not isinstance(first[-1], RequestEnd):
+                async for event in events:
+                    yield event
+
         try:
             opening = shaper.role_chunk()
             if opening is not None:
                 yield _sse(opening)
-            async for event in bridge.events(stream):
+            async for event in everything():
                 collector.add(event)
                 if isinstance(event, TokenEvent):
                     if event.text or event.logprob is not None or shaper.tokens:
@@ -324,8 +423,15 @@ class OpenAIServer:
         import uvicorn
 
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        except OSError as exc:  # in use, not this machine's, or a host name that does not resolve
+            sock.close()
+            reason = exc.strerror or str(exc)
+            if isinstance(exc, socket.gaierror):
+                reason = f"the host name {host!r} does not resolve ({reason})"
+            raise KvrtError(f"cannot listen on {host}:{port}: {reason}") from None
         server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off"))
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="kvrt-http", daemon=True)
         thread.start()
@@ -339,12 +445,18 @@ class OpenAIServer:
         self._server, self._thread = server, thread
         return sock.getsockname()[0], sock.getsockname()[1]
 
+    def stop_accepting(self) -> None:
+        """Begin :meth:`stop`: no new connections; open ones finish (close the engines to end their requests)."""
+        if self._server is not None:
+            self._server.should_exit = True
+
     def stop(self) -> None:
-        """Stop a server started with :meth:`start` (open streams are closed)."""
+        """Stop a server started with :meth:`start` (waits for open requests; see :meth:`stop_accepting`)."""
         if self._server is not None and self._thread is not None:
             self._server.should_exit = True
             self._thread.join()
             self._server = self._thread = None
+        self._tokenizer.shutdown(wait=False, cancel_futures=True)
 
     def run(self, host: str, port: int) -> None:
         """Serve in this thread until SIGINT / SIGTERM (uvicorn handles both)."""

@@ -199,7 +199,7 @@ def _option(key: str, raw: str) -> Any:
             raise ProtocolError("BAD_NUMBER", f"{key} must be a non-negative decimal number, got {raw[:40]!r}")
         return float(raw)
     if key in ("top_k", "seed", "deadline_ms"):
-        return _number(raw, key, 0 if key != "deadline_ms" else 1, 2**32 - 1)
+        return _number(raw, key, 0 if key != "deadline_ms" else 1, 2**32 - (2 if key == "seed" else 1))
     if key == "stream":
         if raw not in ("0", "1"):
             raise ProtocolError("BAD_ARGS", f"stream must be 0 or 1, got {raw[:40]!r}")
