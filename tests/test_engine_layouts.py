@@ -80,7 +80,7 @@ def test_split_streams_share_a_preamble_by_copy_and_fork_choices_once_the_prompt
 def test_auto_turns_unified_for_a_request_longer_than_a_slot_and_split_again_when_idle(tiny_model):
     short = private_histories(tiny_model.n_vocab, 2, 40, seed=4)
     long = private_histories(tiny_model.n_vocab, 1, 400, seed=5)[0]  # more than a slot's 256 cells
-    with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64, kv_layout="auto") as eng:
+    with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64, kv_layout="auto", split_after_idle_s=0) as eng:
         assert eng.stats().kv_layout == "split"
         small = eng.submit(Request(short[0], greedy(4))).result(WAIT_S)
         big = eng.submit(Request(long, greedy(4))).result(WAIT_S)
@@ -99,6 +99,20 @@ def test_auto_turns_unified_for_a_request_longer_than_a_slot_and_split_again_whe
     assert small.choices[0].tokens == alone(tiny_model, short[0], greedy(4))
     assert big.choices[0].tokens == alone(tiny_model, long, greedy(4))
     assert again.choices[0].tokens == alone(tiny_model, short[1] + [5, 6, 7], greedy(4))
+
+
+def test_auto_stays_unified_through_pauses_shorter_than_split_after_idle_s(tiny_model):
+    """A switch drops the cache, so pauses between an agent's turns must not trigger one."""
+    long = private_histories(tiny_model.n_vocab, 1, 400, seed=10)[0]
+    short = [h[1:] for h in private_histories(tiny_model.n_vocab, 2, 30, seed=11)]
+    with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64, split_after_idle_s=3600) as eng:
+        for prompt in [long, *short]:  # the long one is evicted: only the pause keeps it unified
+            eng.submit(Request(prompt, greedy(2))).result(WAIT_S)
+        time.sleep(1.5)  # three idle wake-ups of the worker
+        stats = eng.stats()
+    assert (stats.kv_layout, stats.relayouts) == ("unified", 1)
+    with pytest.raises(EngineError, match="split_after_idle_s must be a finite number >= 0"):
+        EngineConfig(split_after_idle_s=-1.0)
 
 
 def test_a_switch_drops_the_cache_and_a_returning_conversation_is_prefilled_exactly(tiny_model):
@@ -175,7 +189,7 @@ def test_requests_submitted_while_the_layout_switches_all_complete(tiny_model):
                 errors.append(exc)
                 return
 
-    with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64) as eng:
+    with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64, split_after_idle_s=0) as eng:
         thread = threading.Thread(target=reader, args=(eng,))
         thread.start()
         try:

@@ -42,8 +42,9 @@ class EngineConfig:
     :attr:`split_cells` cells of its own, so a sequence attends over its own history only;
     ``unified`` makes them one pool, so one slot may hold up to ``n_ctx`` and a prefix is
     shared without a copy, but every sequence attends over every used cell; ``auto``
-    (the default) runs split and turns unified while requests need more than a slot's share
-    (see :class:`kvrt.engine.batching.Engine`). ``n_batch`` bounds the tokens of one step
+    (the default) runs split and turns unified while requests need more than a slot's share,
+    and split again after ``split_after_idle_s`` without work (see
+    :class:`kvrt.engine.batching.Engine`). ``n_batch`` bounds the tokens of one step
     (every decoding choice takes one, so it must be >= ``n_seq_max``); ``prefill_chunk``
     bounds one request's prompt tokens per step; ``max_queue`` the requests waiting for
     admission before :class:`kvrt.engine.requests.EngineOverloaded`.
@@ -58,6 +59,7 @@ class EngineConfig:
     flash_attn: str = "auto"
     host_bytes: int = 0  # host copies of evicted slots (kvrt.engine.host_tier); 0: evicted prefixes are recomputed
     kv_layout: str = "auto"
+    split_after_idle_s: float = 2.0  # longer than an agent's pause between turns: a switch drops the cache
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_seq_max", "n_batch", "prefill_chunk", "max_queue"):
@@ -71,6 +73,9 @@ class EngineConfig:
         if self.n_batch < self.n_seq_max:
             raise EngineError(f"n_batch ({self.n_batch}) must be >= n_seq_max ({self.n_seq_max}): every decoding "
                               "sequence puts one token into each step's batch")
+        idle = self.split_after_idle_s
+        if isinstance(idle, bool) or not isinstance(idle, (int, float)) or not 0 <= idle < float("inf"):
+            raise EngineError(f"EngineConfig.split_after_idle_s must be a finite number >= 0, got {idle!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise EngineError(f"EngineConfig.kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.kv_layout == "split" and not self.split_cells:
@@ -169,9 +174,9 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
     request = pending.stream.request
     prompt = request.prompt
     limit = len(prompt) - (0 if pending.pin else 1)  # a choice samples the last prompt token's logits
-    src, m = cache.longest_prefix(prompt)
+    src, m = cache.longest_prefix(request.prompt_array)
     m = min(m, limit)
-    entry, h = cache.host_prefix(prompt)
+    entry, h = cache.host_prefix(request.prompt_array)
     h = min(h, limit)
     if min(coming, len(prompt) - 1) >= max(m, h) + WAIT_FOR_SHARE:
         return None

@@ -27,7 +27,8 @@ holds; ``unified`` pools the cells, so one request may hold more than a slot's s
 and prefixes are shared without copies. ``auto`` runs split and recreates the context
 unified when the request at the head of the queue needs more than a slot's share (it
 waits until nothing runs; pinned prefixes keep the layout, so such a request is then
-refused), and split again once the engine is idle and nothing it caches needs more.
+refused), and split again once the engine has been idle for ``split_after_idle_s`` (longer
+than agents pause between turns) and nothing it caches needs more.
 Nothing cached crosses a switch: llama.cpp's sequence state records the stream count of
 the context it came from and is refused by the other layout, so the slots and the host
 tier's copies are dropped, and a returning conversation is prefilled again.
@@ -113,6 +114,7 @@ class Engine:
         self._closing = False
         self._steps = self._prefilled = self._reused = self._decoded = self._relayouts = 0
         self._switch_to: bool | None = None  # the layout (shared?) the worker recreates the context in next
+        self._idle_since: float | None = None  # when the worker last found nothing to decode (None: busy)
         self._busy_s = self._decode_s = 0.0
         self._thread = threading.Thread(target=self._run, name=f"kvrt-engine-{model.path.stem}", daemon=True)
         self._thread.start()
@@ -240,8 +242,10 @@ class Engine:
         self._admit()
         rows = self._fill()
         if not rows:
-            self._split_when_idle()
+            self._idle_since = self._idle_since or time.monotonic()
+            self._split_when_idle(time.monotonic() - self._idle_since)
             return False
+        self._idle_since = None
         t_decode = time.perf_counter()
         if self._decode(rows):
             self._steps += 1
@@ -290,8 +294,8 @@ class Engine:
                 if not self._layout_fits(pending):
                     return
                 reserved = sum(live.future_cells() for live in self._live)
-                coming = max((common_prefix(x.prompt, pending.stream.request.prompt) for x in self._live
-                              if x.prefilling), default=0)
+                coming = max((common_prefix(x.request.prompt_array, pending.stream.request.prompt_array)
+                              for x in self._live if x.prefilling), default=0)
                 live = place(self.cache, self.model, pending, reserved, coming)
             except RequestTooLarge as exc:
                 with self._lock:
@@ -413,10 +417,11 @@ class Engine:
             self._switch_to = True
         return False
 
-    def _split_when_idle(self) -> None:
-        """Under ``auto``, an idle unified context becomes split again when nothing it caches needs more."""
+    def _split_when_idle(self, idle_s: float) -> None:
+        """Under ``auto``, a unified context idle for ``split_after_idle_s`` becomes split again when nothing it
+        caches needs more."""
         if (self.config.kv_layout != "auto" or not self.cache.shared or not self.config.split_cells
-                or self._live or self.cache.pinned or self._queue):
+                or self._live or self.cache.pinned or self._queue or idle_s < self.config.split_after_idle_s):
             return
         if all(self.cache.held(slot) <= self.config.split_cells for slot in range(self.cache.n_slots)):
             self._switch_to = False

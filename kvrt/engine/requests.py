@@ -64,12 +64,14 @@ class Request:
     logprobs: int | None = None
     deadline: float | None = None
     after_chunk: Callable[[int, int], None] | None = None
+    prompt_array: np.ndarray = field(init=False, repr=False, compare=False)  # the prompt as int64, for prefix lookups
 
     def __post_init__(self) -> None:
         tokens = tuple(int(t) for t in self.prompt)
         if not tokens:
             raise EngineError("a request needs at least one prompt token")
         object.__setattr__(self, "prompt", tokens)
+        object.__setattr__(self, "prompt_array", np.array(tokens, dtype=np.int64))
         object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise EngineError(f"n must be an integer >= 1, got {self.n!r}")
