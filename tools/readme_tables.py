@@ -192,6 +192,22 @@ def prefetch(folder: str) -> str:
             + "; ".join(parts))
 
 
+def peer(folder: str, files: tuple[str, ...]) -> str:
+    """kvrt's HTTP server against llama-server, per agent count and workload: wall times and who is faster."""
+    parts = []
+    for name in files:
+        for key, arms in load(folder, name)["summary"].items():  # "N=32 private"
+            kvrt = arms["kvrt"]["wall_s"]["median"]
+            if "llama-server" not in arms:
+                parts.append(f"{key}: {kvrt:.1f} s (llama-server cannot hold it in these cells)")
+                continue
+            theirs = arms["llama-server"]["wall_s"]["median"]
+            ideal = arms.get("ideal_over_kvrt_wall")
+            parts.append(f"{key}: {kvrt:.1f} vs {theirs:.1f} s (**{theirs / kvrt:.2f}x**"
+                         + (f", {ideal['median']:.2f} of the ideal)" if ideal else ")"))
+    return "; ".join(parts)
+
+
 def host_tier(folder: str, files: tuple[str, ...]) -> str:
     """Each history length of the host-tier microbenchmark: restore from the tier vs prefill again, and vs the ideal."""
     parts = []
@@ -235,6 +251,8 @@ def _same(render: Callable[[str], str], *files: str) -> tuple[Cell, Cell]:
 
 H200_HOST_TIER = ("host-tier/doc-8192.json", "host-tier/doc-32768.json")
 CPU_HOST_TIER = ("host-tier/bench_host_tier-512.json", "host-tier/bench_host_tier-2048.json")
+H200_PEER = ("peer/n32/peer/peer.json", "peer/n8/peer/peer.json")
+CPU_PEER = ("peer/peer.json",)
 ROWS = (
     Row("two agents over a 3,501-token document, end to end vs the warm baseline (bound 2), and the ideal",
         *_same(fanout_headline, "fanout/fanout.json"), "SwarmKV 1.95x (against fresh contexts)"),
@@ -259,6 +277,11 @@ ROWS = (
         "prefilled again",
         Cell(lambda f: host_tier(f, H200_HOST_TIER), H200_HOST_TIER, "h200-2026-12-04"),
         Cell(lambda f: host_tier(f, CPU_HOST_TIER), CPU_HOST_TIER, "cpu-2026-12-04"), "-"),
+    Row("many agents over OpenAI's HTTP API, all at once: kvrt (`--kv-layout auto`) vs llama.cpp's `llama-server`, "
+        "same GGUF, libllama and cells (H200: 163,840, flash attention on; CPU: the demo model); wall time (kvrt "
+        "faster by), and batched-bench's ideal / kvrt",
+        Cell(lambda f: peer(f, H200_PEER), H200_PEER, "h200-2026-12-04"),
+        Cell(lambda f: peer(f, CPU_PEER), CPU_PEER, "cpu-2026-12-04"), "-"),
     Row("three models each asking for a huge context", Cell(coresidence, ("coresidence/agents.json",)), None,
         "lmxd: file size x 1.5 estimates"),
     Row("layer streaming at balance, vs serial",
