@@ -18,7 +18,7 @@ from kvrt.engine.admission import EngineConfig
 from kvrt.engine.batching import Engine
 from kvrt.engine.requests import EngineError, Request, RequestTooLarge
 from kvrt.errors import KvrtError
-from tests.test_batching import WAIT_S, alone, engine, greedy
+from test_batching import WAIT_S, alone, engine, greedy
 
 LAYOUTS = ["split", "unified"]
 
