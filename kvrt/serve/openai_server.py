@@ -16,6 +16,10 @@ engine's queue is full. kvrt's own routes live under ``/v1/kvrt/``:
 ``GET /v1/kvrt/stats``
     every engine's counters (prefilled and reused tokens, slots, cells).
 
+``GET /health`` answers 200 ``{"status": "ok", "models": {name: {"queued", "active"}}}``
+while serving and 503 ``{"status": "shutting_down", ...}`` once :meth:`OpenAIServer.stop_accepting`
+was called, so a load balancer stops sending before the engines close.
+
 A client that disconnects cancels its request (its slot is freed at the next step).
 A body over ``max_input_bytes`` is refused with 413 before it is read whole; a prompt
 whose text cannot fit the model's cells is refused before it is tokenized; tokenizing and
@@ -138,6 +142,7 @@ class OpenAIServer:
         self._outputs: OrderedDict[str, tuple[str, list[list[int]]]] = OrderedDict()
         self._pins: dict[str, tuple[str, str]] = {}  # public pin id -> (model, the engine's pin id)
         self._server: Any = None
+        self._stopping = False  # stop_accepting() was called: /health says 503
         self._thread: threading.Thread | None = None
         self.app = self._build_app()
 
@@ -146,6 +151,7 @@ class OpenAIServer:
         app = FastAPI(title="kvrt", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(ApiError, self._on_api_error)  # type: ignore[arg-type]
         app.add_exception_handler(HTTPException, self._on_http_error)  # type: ignore[arg-type]
+        app.get("/health")(self.health)
         app.get("/v1/models")(self.list_models)
         app.get("/v1/models/{model_id}")(self.get_model)
         app.post("/v1/completions")(self.completions)
@@ -162,6 +168,15 @@ class OpenAIServer:
     async def _on_http_error(self, _request: HttpRequest, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind=kind).body(), status_code=exc.status_code)
+
+    async def health(self) -> JSONResponse:
+        """200 while serving, 503 once shutting down; each model's waiting and running requests either way."""
+        models = {}
+        for name, engine in self.engines.items():
+            stats = engine.stats()
+            models[name] = {"queued": stats.queued, "active": stats.active}
+        status = "shutting_down" if self._stopping else "ok"
+        return JSONResponse({"status": status, "models": models}, status_code=503 if self._stopping else 200)
 
     def _model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self._created, "owned_by": "kvrt"}
@@ -446,7 +461,9 @@ class OpenAIServer:
         return sock.getsockname()[0], sock.getsockname()[1]
 
     def stop_accepting(self) -> None:
-        """Begin :meth:`stop`: no new connections; open ones finish (close the engines to end their requests)."""
+        """Begin :meth:`stop`: no new connections; open ones finish (close the engines to end their requests);
+        ``/health`` answers 503 from now on."""
+        self._stopping = True
         if self._server is not None:
             self._server.should_exit = True
 
