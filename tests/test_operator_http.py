@@ -8,6 +8,7 @@ asserts on time.
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 from collections.abc import Iterator
@@ -19,7 +20,9 @@ pytest.importorskip("fastapi", reason="the serve extra (pip install fastapi uvic
 
 from fastapi.testclient import TestClient  # noqa: E402
 
+from kvrt.commands import serve  # noqa: E402
 from kvrt.engine.batching import Engine, EngineConfig  # noqa: E402
+from kvrt.errors import KvrtError  # noqa: E402
 from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
 
 WAIT_S = 60.0
@@ -35,7 +38,7 @@ def engine(tiny_model) -> Iterator[Engine]:
 
 @pytest.fixture(scope="module")
 def served(engine) -> Iterator[dict[str, Any]]:
-    server = OpenAIServer({"tiny": engine}, default_max_tokens=8)
+    server = OpenAIServer({"tiny": engine}, default_max_tokens=8, api_key=KEY)
     host, port = server.start("127.0.0.1", 0)
     try:
         yield {"server": server, "host": host, "port": port}
@@ -54,6 +57,9 @@ def send(served: dict[str, Any], method: str, path: str, body: Any = None,
         return response.status, json.loads(response.read())
     finally:
         connection.close()
+
+
+BEARER = {"authorization": f"Bearer {KEY}"}
 
 
 def test_health_is_ok_with_each_models_queue_and_active_requests(served, engine):
@@ -75,3 +81,61 @@ def test_health_is_503_once_the_server_stops_accepting(engine):
         assert set(response.json()["models"]) == {"tiny"}
     finally:
         server.stop()
+
+
+def test_the_right_key_works_with_the_openai_client(served):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://{served['host']}:{served['port']}/v1", api_key=KEY, max_retries=0,
+                           timeout=WAIT_S)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    completion = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, temperature=0)
+    assert completion.usage.completion_tokens == 4
+
+
+def test_a_wrong_key_raises_authentication_error_in_the_openai_client(served):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"http://{served['host']}:{served['port']}/v1", api_key=KEY + "x",
+                           max_retries=0, timeout=WAIT_S)
+    with pytest.raises(openai.AuthenticationError) as caught:
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=4)
+    assert caught.value.status_code == 401
+    assert caught.value.code == "invalid_api_key"
+
+
+@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer wrong"}, {"authorization": KEY},
+                                     {"authorization": "Basic " + KEY}, {"authorization": "Bearer "}])
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/models"), ("POST", "/v1/completions"),
+                                              ("GET", "/v1/kvrt/stats")])
+def test_a_missing_or_wrong_key_is_401_in_openais_shape(served, headers, method, path):
+    status, body = send(served, method, path, {"model": "tiny", "prompt": "x"} if method == "POST" else None,
+                        headers)
+    assert status == 401
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", None, "invalid_api_key")
+    assert "API key" in error["message"] and KEY not in error["message"]
+
+
+def test_health_needs_no_key(served):
+    assert send(served, "GET", "/health")[0] == 200
+    assert send(served, "GET", "/health", headers=BEARER)[0] == 200
+
+
+@pytest.mark.parametrize("key", ["", " padded "])
+def test_an_empty_or_padded_key_is_refused(engine, key):
+    with pytest.raises(KvrtError, match="api_key"):
+        OpenAIServer({"tiny": engine}, api_key=key)
+
+
+def parse_serve(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_api_key_comes_from_kvrt_api_key_and_the_option_wins(monkeypatch):
+    monkeypatch.delenv("KVRT_API_KEY", raising=False)
+    assert parse_serve([]).api_key is None
+    monkeypatch.setenv("KVRT_API_KEY", "from-env")
+    assert parse_serve([]).api_key == "from-env"
+    assert parse_serve(["--api-key", "from-option"]).api_key == "from-option"

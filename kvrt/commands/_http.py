@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,6 +49,9 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                        help="output tokens for chat requests that set no max_tokens (capped by what fits)")
     group.add_argument("--max-input-bytes", type=positive_int, default=4 << 20,
                        help="largest request body in bytes; larger ones get HTTP 413 before they are read whole")
+    group.add_argument("--api-key", metavar="KEY", default=os.environ.get("KVRT_API_KEY") or None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health (default: the "
+                            "KVRT_API_KEY environment variable; none: no key needed)")
     group.add_argument("--request-timeout-s", type=seconds(zero=False), default=argparse.SUPPRESS,
                        help="end any request after this many seconds, finish_reason 'deadline' (none: no limit)")
 
@@ -116,7 +120,7 @@ def start_http(args: argparse.Namespace) -> HttpFront:
             engines[name] = Engine(models[-1], config, host_alloc=host.acquire)
         server = OpenAIServer(engines, default_max_tokens=args.max_tokens,
                               request_timeout_s=getattr(args, "request_timeout_s", None),
-                              max_input_bytes=args.max_input_bytes)
+                              max_input_bytes=args.max_input_bytes, api_key=args.api_key)
         address = server.start(host_name, port)  # an address it cannot listen on: KvrtError, one line
     except BaseException:
         _free(engines, models, host)

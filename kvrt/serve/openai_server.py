@@ -20,6 +20,9 @@ engine's queue is full. kvrt's own routes live under ``/v1/kvrt/``:
 while serving and 503 ``{"status": "shutting_down", ...}`` once :meth:`OpenAIServer.stop_accepting`
 was called, so a load balancer stops sending before the engines close.
 
+With ``api_key`` set every route but ``/health`` needs ``Authorization: Bearer <key>``; a
+missing or wrong key gets 401 ``invalid_api_key`` before the body is read.
+
 A client that disconnects cancels its request (its slot is freed at the next step).
 A body over ``max_input_bytes`` is refused with 413 before it is read whole; a prompt
 whose text cannot fit the model's cells is refused before it is tokenized; tokenizing and
@@ -31,6 +34,7 @@ Model names are the GGUF files' stems.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import socket
 import threading
@@ -84,6 +88,7 @@ from kvrt.serve.openai_schema import (
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 DEFAULT_MAX_INPUT_BYTES = 4 << 20  # a request body's bytes (a 10 MB chat message froze every client for seconds)
 TOKENIZER_THREADS = 2
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key (a load balancer's probe has none)
 _T = TypeVar("_T")
 
 
@@ -110,6 +115,38 @@ class _Bridge:
             await self._flag.wait()
 
 
+class _RequireKey:
+    """ASGI middleware: every path but ``open_paths`` needs ``Authorization: Bearer <key>`` (else 401).
+
+    Plain ASGI rather than Starlette's ``BaseHTTPMiddleware``, which would sit between the
+    routes and their client's disconnects and streamed bodies.
+    """
+
+    def __init__(self, app: Any, key: str, open_paths: frozenset[str]) -> None:
+        self.app, self._key, self._open = app, key.encode("utf-8"), open_paths
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in self._open:
+            refusal = self._refusal(dict(scope["headers"]).get(b"authorization"))
+            if refusal is not None:
+                response = JSONResponse(refusal.body(), status_code=refusal.status,
+                                        headers={"www-authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, header: bytes | None) -> ApiError | None:
+        """None when ``header`` carries the key; else the 401 saying whether a key was missing or wrong."""
+        scheme, _, given = (header or b"").partition(b" ")
+        if header is None or scheme.lower() != b"bearer" or not given.strip():
+            message = "no API key: send it as 'Authorization: Bearer <key>'"
+        elif hmac.compare_digest(given.strip(), self._key):
+            return None
+        else:
+            message = "the API key in the Authorization header is not this server's (kvrt serve --api-key)"
+        return ApiError(401, message, code="invalid_api_key")
+
+
 def _sse(obj: Mapping[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -120,17 +157,21 @@ class OpenAIServer:
     ``default_max_tokens`` caps chat / fork requests that give no max_tokens;
     ``request_timeout_s`` (if set) is every request's deadline; the tokens of the latest
     ``remember`` completions are kept for ``/v1/kvrt/fork``; a request body over
-    ``max_input_bytes`` is answered 413.
+    ``max_input_bytes`` is answered 413; with ``api_key`` every route but ``/health`` needs it as a
+    bearer token.
     """
 
     def __init__(self, engines: Mapping[str, Engine], *, default_max_tokens: int = 512,
                  request_timeout_s: float | None = None, remember: int = 1024,
-                 max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> None:
+                 max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES, api_key: str | None = None) -> None:
         if not engines:
             raise KvrtError("the OpenAI server needs at least one model")
         if isinstance(max_input_bytes, bool) or not isinstance(max_input_bytes, int) or max_input_bytes < 1:
             raise KvrtError(f"max_input_bytes must be a positive integer, got {max_input_bytes!r}")
+        if api_key is not None and (not api_key or api_key != api_key.strip()):
+            raise KvrtError("api_key must be non-empty, without leading or trailing spaces")
         self.max_input_bytes = max_input_bytes
+        self._api_key = api_key
         self._tokenizer = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvrt-tokenize")
         self.engines = dict(engines)
         self._pieces = {name: self._tokenizer.submit(longest_piece, engine.model)  # model name -> its longest
@@ -151,6 +192,8 @@ class OpenAIServer:
         app = FastAPI(title="kvrt", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(ApiError, self._on_api_error)  # type: ignore[arg-type]
         app.add_exception_handler(HTTPException, self._on_http_error)  # type: ignore[arg-type]
+        if self._api_key is not None:
+            app.add_middleware(_RequireKey, key=self._api_key, open_paths=OPEN_PATHS)
         app.get("/health")(self.health)
         app.get("/v1/models")(self.list_models)
         app.get("/v1/models/{model_id}")(self.get_model)
