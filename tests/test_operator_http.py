@@ -139,3 +139,61 @@ def test_api_key_comes_from_kvrt_api_key_and_the_option_wins(monkeypatch):
     monkeypatch.setenv("KVRT_API_KEY", "from-env")
     assert parse_serve([]).api_key == "from-env"
     assert parse_serve(["--api-key", "from-option"]).api_key == "from-option"
+
+
+@pytest.fixture(scope="module")
+def reference_vocab(tiny_model_path) -> Any:
+    """llama-cpp-python's high-level tokenizer on the same file: the independent reference."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    return llama_cpp.Llama(model_path=str(tiny_model_path), vocab_only=True, verbose=False)
+
+
+@pytest.mark.parametrize("add_special", [False, True])
+@pytest.mark.parametrize("text", ["Hello world", "  spaces\tand\nnewlines ", "naïve café ☕", ""])
+def test_tokenize_and_detokenize_match_llama_cpp_python(served, reference_vocab, text, add_special):
+    status, body = send(served, "POST", "/tokenize", {"content": text, "add_special": add_special}, BEARER)
+    assert status == 200
+    expected = reference_vocab.tokenize(text.encode(), add_bos=add_special, special=True)
+    assert body == {"tokens": expected}
+    status, body = send(served, "POST", "/detokenize", {"tokens": expected, "model": "tiny"}, BEARER)
+    assert status == 200
+    assert body == {"content": reference_vocab.detokenize(expected, special=True).decode("utf-8", "replace")}
+
+
+def test_tokenize_defaults_to_no_special_tokens_like_llama_server(served, reference_vocab):
+    status, body = send(served, "POST", "/tokenize", {"content": "Hello"}, BEARER)
+    assert (status, body) == (200, {"tokens": reference_vocab.tokenize(b"Hello", add_bos=False, special=True)})
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+def test_an_unknown_model_is_404(served, path):
+    body = {"content": "x", "model": "nope"} if path == "/tokenize" else {"tokens": [1], "model": "nope"}
+    status, answer = send(served, "POST", path, body, BEARER)
+    assert status == 404
+    assert (answer["error"]["param"], answer["error"]["code"]) == ("model", "model_not_found")
+
+
+@pytest.mark.parametrize(("tokens", "param"), [([1, 10**6], "tokens[1]"), ([-1], "tokens[0]"),
+                                               ([1, 2, "3"], "tokens[2]")])
+def test_tokens_outside_the_vocabulary_are_400_naming_the_field(served, tiny_model, tokens, param):
+    status, answer = send(served, "POST", "/detokenize", {"tokens": tokens}, BEARER)
+    assert status == 400
+    assert answer["error"]["param"] == param
+    assert answer["error"]["message"].startswith(param)
+
+
+def test_the_routes_need_the_key(served):
+    assert send(served, "POST", "/tokenize", {"content": "x"})[0] == 401
+    assert send(served, "POST", "/detokenize", {"tokens": [1]})[0] == 401
+
+
+def test_a_server_with_several_models_needs_the_model_named(engine):
+    server = OpenAIServer({"a": engine, "b": engine})
+    try:
+        with TestClient(server.app) as client:
+            refused = client.post("/tokenize", json={"content": "x"})
+            named = client.post("/tokenize", json={"content": "x", "model": "b"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+        assert named.status_code == 200 and named.json()["tokens"] == engine.model.tokenize("x", add_special=False)
+    finally:
+        server.stop()

@@ -139,6 +139,39 @@ class PinBody(_Strict):
     messages: list[ChatMessageBody] | None = None
 
 
+class TokenizeBody(_Strict):
+    """``/tokenize`` (llama-server's shape); ``model`` may be left out when the server has one model."""
+
+    content: str
+    add_special: bool = False  # llama-server's default: no BOS unless asked
+    model: str | None = None
+
+
+class DetokenizeBody(_Strict):
+    """``/detokenize`` (llama-server's shape)."""
+
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+def check_vocab(model: Model, tokens: Sequence[int], param: str) -> None:
+    """A 400 naming the first of ``tokens`` outside the model's vocabulary (``param[i]``)."""
+    for i, token in enumerate(tokens):
+        if not 0 <= token < model.n_vocab:
+            raise ApiError(400, f"{param}[{i}]: token {token} is outside the vocabulary [0, {model.n_vocab})",
+                           param=f"{param}[{i}]", code="invalid_token")
+
+
+def pieces_text(model: Model, tokens: Sequence[int]) -> str:
+    """The tokens' pieces (special tokens' text included) joined, as llama-server's ``/detokenize`` answers.
+
+    Not ``llama_detokenize``, which drops a leading space a tokenizer added: a client that
+    splits a text at token boundaries gets back exactly what it joins. Bytes are joined
+    before decoding, so a character split across tokens survives.
+    """
+    return b"".join(model.token_to_piece(t, special=True) for t in tokens).decode("utf-8", "replace")
+
+
 def _param(loc: Sequence[Any]) -> str:
     out = ""
     for part in loc:

@@ -16,6 +16,12 @@ engine's queue is full. kvrt's own routes live under ``/v1/kvrt/``:
 ``GET /v1/kvrt/stats``
     every engine's counters (prefilled and reused tokens, slots, cells).
 
+``POST /tokenize`` / ``POST /detokenize`` (llama-server's shapes)
+    ``{"content", "add_special", "model"}`` -> ``{"tokens"}`` (special-token text parsed) and
+    ``{"tokens", "model"}`` -> ``{"content"}`` (the pieces joined, special tokens' text
+    included); ``model`` may be
+    left out when the server has one.
+
 ``GET /health`` answers 200 ``{"status": "ok", "models": {name: {"queued", "active"}}}``
 while serving and 503 ``{"status": "shutting_down", ...}`` once :meth:`OpenAIServer.stop_accepting`
 was called, so a load balancer stops sending before the engines close.
@@ -74,14 +80,18 @@ from kvrt.serve.openai_schema import (
     ApiError,
     ChatBody,
     CompletionBody,
+    DetokenizeBody,
     ForkBody,
     PinBody,
+    TokenizeBody,
     chat_prompt,
     check_json,
+    check_vocab,
     completion_prompt,
     engine_request,
     longest_piece,
     parse,
+    pieces_text,
     text_tokens,
 )
 
@@ -203,6 +213,8 @@ class OpenAIServer:
         app.post("/v1/kvrt/pins")(self.pin)
         app.delete("/v1/kvrt/pins/{pin_id}")(self.unpin)
         app.get("/v1/kvrt/stats")(self.stats)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
         return app
 
     async def _on_api_error(self, _request: HttpRequest, exc: ApiError) -> JSONResponse:
@@ -300,6 +312,19 @@ class OpenAIServer:
     async def stats(self) -> dict[str, Any]:
         return {name: asdict(engine.stats()) for name, engine in self.engines.items()}
 
+    async def tokenize(self, request: HttpRequest) -> dict[str, Any]:
+        body = parse(TokenizeBody, await self._json(request))
+        model = self._only_or_named(body.model).model
+        tokens = await self._off_loop(lambda: model.tokenize(body.content, add_special=body.add_special,
+                                                             parse_special=True))
+        return {"tokens": tokens}
+
+    async def detokenize(self, request: HttpRequest) -> dict[str, Any]:
+        body = parse(DetokenizeBody, await self._json(request))
+        model = self._only_or_named(body.model).model
+        check_vocab(model, body.tokens, "tokens")
+        return {"content": await self._off_loop(lambda: pieces_text(model, body.tokens))}
+
     # -- the shared path ------------------------------------------------------------------
     async def _off_loop(self, fn: Callable[[], _T]) -> _T:
         """``fn()`` on the tokenizer threads (tokenizing and chat templates never run on the event loop)."""
@@ -344,6 +369,14 @@ class OpenAIServer:
             raise ApiError(404, f"the model {name!r} does not exist; this server has {sorted(self.engines)}",
                            kind="not_found_error", param="model", code="model_not_found")
         return engine
+
+    def _only_or_named(self, name: str | None) -> Engine:
+        """The engine of model ``name``; with none named, the server's only one (a 400 when it has several)."""
+        if name is not None:
+            return self._engine(name)
+        if len(self.engines) > 1:
+            raise ApiError(400, f"model: this server has {sorted(self.engines)}; name one", param="model")
+        return next(iter(self.engines.values()))
 
     async def _run(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
                    max_tokens: int | None, logprobs: int | None) -> Response:
