@@ -197,3 +197,86 @@ def test_a_server_with_several_models_needs_the_model_named(engine):
         assert named.status_code == 200 and named.json()["tokens"] == engine.model.tokenize("x", add_special=False)
     finally:
         server.stop()
+
+
+def scrape(served: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of /metrics, parsed by prometheus_client's own parser: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    connection = http.client.HTTPConnection(served["host"], served["port"], timeout=WAIT_S)
+    try:
+        connection.request("GET", "/metrics", headers=BEARER)
+        response = connection.getresponse()
+        assert response.status == 200
+        text = response.read().decode()
+    finally:
+        connection.close()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def delta(before: dict[Any, float], after: dict[Any, float], name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_count_requests_tokens_and_latencies(served):
+    before = scrape(served)
+    plain = send(served, "POST", "/v1/completions", {"model": "tiny", "prompt": "Count me", "max_tokens": 5,
+                                                    "temperature": 0, "ignore_eos": True}, BEARER)[1]["usage"]
+    connection = http.client.HTTPConnection(served["host"], served["port"], timeout=WAIT_S)
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": "Stream me", "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+             "stream": True, "stream_options": {"include_usage": True}}),
+            {"content-type": "application/json", **BEARER})
+        chunks = [line for line in connection.getresponse().read().decode().split("\n\n") if line]
+    finally:
+        connection.close()
+    streamed = json.loads(chunks[-2].removeprefix("data: "))["usage"]
+    send(served, "POST", "/v1/completions", {"model": "tiny", "prompt": "x"})  # no key: 401
+    send(served, "GET", "/no/such/route", headers=BEARER)
+    after = scrape(served)
+
+    assert delta(before, after, "kvrt_http_requests_total", route="/v1/completions", status="2xx") == 2
+    assert delta(before, after, "kvrt_http_requests_total", route="/v1/completions", status="4xx") == 1
+    assert delta(before, after, "kvrt_http_requests_total", route="other", status="4xx") == 1
+    assert delta(before, after, "kvrt_prompt_tokens_total", model="tiny") == (plain["prompt_tokens"]
+                                                                              + streamed["prompt_tokens"])
+    assert delta(before, after, "kvrt_completion_tokens_total", model="tiny") == 5 + 3
+    assert (plain["completion_tokens"], streamed["completion_tokens"]) == (5, 3)
+    assert delta(before, after, "kvrt_time_to_first_token_seconds_count", model="tiny") == 2
+    assert delta(before, after, "kvrt_inter_token_latency_seconds_count", model="tiny") == (5 - 1) + (3 - 1)
+    assert delta(before, after, "kvrt_time_to_first_token_seconds_bucket", model="tiny", le="+Inf") == 2
+
+
+def test_metrics_show_each_engines_state(served, engine):
+    samples = scrape(served)
+    stats = engine.stats()  # idle between requests: exact
+    model = (("model", "tiny"),)
+    assert samples[("kvrt_queued_requests", model)] == stats.queued == 0
+    assert samples[("kvrt_active_requests", model)] == stats.active == 0
+    assert samples[("kvrt_kv_cells_used", model)] == stats.used_cells
+    assert samples[("kvrt_kv_cells", model)] == stats.n_cells
+    assert samples[("kvrt_prefix_reused_tokens_total", model)] == stats.reused_tokens
+    assert samples[("kvrt_prefilled_tokens_total", model)] == stats.prefilled_tokens
+    assert samples[("kvrt_kv_layout_info", (("layout", stats.kv_layout), ("model", "tiny")))] == 1
+
+
+def test_metrics_need_the_key_and_servers_keep_their_own_registries(served, engine):
+    assert send_raw_status(served, "/metrics") == 401
+    first, second = OpenAIServer({"tiny": engine}), OpenAIServer({"tiny": engine})  # no duplicate-metric error
+    try:
+        assert first.metrics.registry is not second.metrics.registry
+    finally:
+        first.stop()
+        second.stop()
+
+
+def send_raw_status(served: dict[str, Any], path: str) -> int:
+    connection = http.client.HTTPConnection(served["host"], served["port"], timeout=WAIT_S)
+    try:
+        connection.request("GET", path)
+        return connection.getresponse().status
+    finally:
+        connection.close()

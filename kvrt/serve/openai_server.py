@@ -22,6 +22,8 @@ engine's queue is full. kvrt's own routes live under ``/v1/kvrt/``:
     included); ``model`` may be
     left out when the server has one.
 
+``GET /metrics`` is Prometheus' text format (see :mod:`kvrt.serve.metrics`).
+
 ``GET /health`` answers 200 ``{"status": "ok", "models": {name: {"queued", "active"}}}``
 while serving and 503 ``{"status": "shutting_down", ...}`` once :meth:`OpenAIServer.stop_accepting`
 was called, so a load balancer stops sending before the engines close.
@@ -56,6 +58,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Route
 
 from kvrt.engine.batching import Engine
 from kvrt.engine.requests import (
@@ -73,6 +76,8 @@ from kvrt.engine.requests import (
     TokenEvent,
 )
 from kvrt.errors import KvrtError
+from kvrt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kvrt.serve.metrics import RequestRecord, ServerMetrics
 from kvrt.serve.openai_format import Kind, Shaper
 from kvrt.serve.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -157,6 +162,42 @@ class _RequireKey:
         return ApiError(401, message, code="invalid_api_key")
 
 
+class _Observe:
+    """ASGI middleware: gives each request a :class:`RequestRecord` (``request.state.kvrt``) for its route
+    to fill in, and hands it with the status to ``done(path, status, record)`` once the answer is sent
+    (a stream's last chunk included)."""
+
+    def __init__(self, app: Any, done: Callable[[str, int, RequestRecord], None]) -> None:
+        self.app, self._done = app, done
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord()
+        scope.setdefault("state", {})["kvrt"] = record
+        status = 500  # what the client gets if the app raises before answering
+
+        async def sending(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            self._done(scope["path"], status, record)
+
+
+def _note(record: RequestRecord, event: Event) -> None:
+    """Record a token's arrival or the request's token counts."""
+    if isinstance(event, TokenEvent):
+        record.token(event.index)
+    elif isinstance(event, RequestEnd):
+        record.end(event)
+
+
 def _sse(obj: Mapping[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -195,6 +236,7 @@ class OpenAIServer:
         self._server: Any = None
         self._stopping = False  # stop_accepting() was called: /health says 503
         self._thread: threading.Thread | None = None
+        self.metrics = ServerMetrics(self.engines)
         self.app = self._build_app()
 
     # -- routes -------------------------------------------------------------------------
@@ -204,7 +246,9 @@ class OpenAIServer:
         app.add_exception_handler(HTTPException, self._on_http_error)  # type: ignore[arg-type]
         if self._api_key is not None:
             app.add_middleware(_RequireKey, key=self._api_key, open_paths=OPEN_PATHS)
+        app.add_middleware(_Observe, done=self._answered)  # outermost: refusals of the key are counted too
         app.get("/health")(self.health)
+        app.get("/metrics")(self.prometheus)
         app.get("/v1/models")(self.list_models)
         app.get("/v1/models/{model_id}")(self.get_model)
         app.post("/v1/completions")(self.completions)
@@ -232,6 +276,14 @@ class OpenAIServer:
             models[name] = {"queued": stats.queued, "active": stats.active}
         status = "shutting_down" if self._stopping else "ok"
         return JSONResponse({"status": status, "models": models}, status_code=503 if self._stopping else 200)
+
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    def _answered(self, path: str, status: int, record: RequestRecord) -> None:
+        """One request answered: counted under its route's template (``other`` where no route serves it)."""
+        route = next((r.path for r in self.app.routes if isinstance(r, Route) and r.path_regex.match(path)), "other")
+        self.metrics.request_done(route, status, record)
 
     def _model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self._created, "owned_by": "kvrt"}
@@ -387,6 +439,8 @@ class OpenAIServer:
                 job = replace(job, deadline=time.monotonic() + self.request_timeout_s)
         except KvrtError as exc:
             raise ApiError(400, str(exc)) from None
+        record: RequestRecord = request.state.kvrt
+        record.model = body.model
         bridge = _Bridge()
         stream = self._submit(engine, lambda: engine.submit(job, notify=bridge.notify), job)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -396,7 +450,7 @@ class OpenAIServer:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             events = bridge.events(stream)
             first = await self._admitted(request, stream, events)  # a refusal is still an HTTP error here
-            return StreamingResponse(self._stream(stream, events, first, shaper, usage),
+            return StreamingResponse(self._stream(stream, events, first, shaper, usage, record),
                                      media_type="text/event-stream")
         result = await self._collect(request, stream, bridge)
         self._remember(shaper.id, body.model, prompt, result.choices)
@@ -438,6 +492,7 @@ class OpenAIServer:
         result: RequestResult | None = None
         try:
             async for event in bridge.events(stream):
+                _note(request.state.kvrt, event)
                 result = collector.add(event) or result
         finally:
             watcher.cancel()
@@ -468,7 +523,7 @@ class OpenAIServer:
         return first
 
     async def _stream(self, stream: RequestStream, events: AsyncIterator[Event], first: list[Event],
-                      shaper: Shaper, usage: bool) -> AsyncIterator[str]:
+                      shaper: Shaper, usage: bool, record: RequestRecord) -> AsyncIterator[str]:
         """SSE chunks as tokens arrive (``first``: those already taken from ``events``); leaving early (a
         disconnect) cancels the request."""
         collector = ResultCollector(stream.request.n)
@@ -485,6 +540,7 @@ class OpenAIServer:
             if opening is not None:
                 yield _sse(opening)
             async for event in everything():
+                _note(record, event)
                 collector.add(event)
                 if isinstance(event, TokenEvent):
                     if event.text or event.logprob is not None or shaper.tokens:
