@@ -433,8 +433,8 @@ class OpenAIServer:
     async def _run(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
                    max_tokens: int | None, logprobs: int | None) -> Response:
         try:
-            job = engine_request(body, prompt, n_cells=engine.n_cells, max_tokens=max_tokens,
-                                 default_max_tokens=self.default_max_tokens, logprobs=logprobs)
+            job = engine_request(body, prompt, n_cells=engine.n_cells, n_vocab=engine.model.n_vocab,
+                                 max_tokens=max_tokens, default_max_tokens=self.default_max_tokens, logprobs=logprobs)
             if self.request_timeout_s is not None:
                 job = replace(job, deadline=time.monotonic() + self.request_timeout_s)
         except KvrtError as exc:
