@@ -280,3 +280,39 @@ def send_raw_status(served: dict[str, Any], path: str) -> int:
         return connection.getresponse().status
     finally:
         connection.close()
+
+
+UNHONOURED = {"typical_p": 0.5, "tfs_z": 0.9, "mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2,
+              "dynatemp_range": 0.5, "grammar": "root ::= \"a\"", "guided_json": {"type": "object"},
+              "top_n_sigma": 1.0, "best_of": 3, "use_beam_search": True, "min_tokens": 2}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(("name", "value"), sorted(UNHONOURED.items()))
+def test_an_unhonoured_sampling_parameter_is_400_naming_it(served, path, name, value):
+    body: dict[str, Any] = {"model": "tiny", name: value}
+    body.update({"prompt": "x"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]})
+    status, answer = send(served, "POST", path, body, BEARER)
+    assert status == 400
+    assert (answer["error"]["param"], answer["error"]["code"]) == (name, "unsupported_parameter")
+    assert answer["error"]["message"].startswith(f"{name}: kvrt does not implement")
+
+
+def test_the_400_names_every_unhonoured_parameter(served):
+    body = {"model": "tiny", "prompt": "x", "typical_p": 0.5, "mirostat": 1, "xtc_probability": 0.3}
+    status, answer = send(served, "POST", "/v1/completions", body, BEARER)
+    assert status == 400
+    assert answer["error"]["message"].startswith("typical_p, mirostat, xtc_probability: ")
+
+
+def test_neutral_values_of_unhonoured_parameters_are_accepted(served):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, "typical_p": 1, "mirostat": 0, "tfs_z": 1.0,
+            "grammar": None, "use_beam_search": False}
+    status, answer = send(served, "POST", "/v1/completions", body, BEARER)
+    assert status == 200, answer
+
+
+def test_a_bool_is_not_a_neutral_number(served):
+    status, answer = send(served, "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "mirostat": False},
+                          BEARER)
+    assert (status, answer["error"]["param"]) == (400, "mirostat")

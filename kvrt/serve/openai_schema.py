@@ -36,6 +36,18 @@ from kvrt.engine.requests import MAX_LOGPROBS, Request
 from kvrt.engine.sampling import MAX_SEED, SamplingParams
 
 UNSUPPORTED = ("tools", "functions", "function_call", "suffix", "audio", "modalities", "prediction")
+# Sampling parameters of llama-server / vLLM / text-generation-webui that kvrt's sampler does not implement, with
+# the value that asks for nothing (what clients send when they always send every field); any other value is a 400
+# naming them all rather than an output sampled differently from what was asked. No neutral value: None.
+UNHONOURED_SAMPLING: dict[str, object] = {
+    "typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
+    "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
+    "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+    "dry_sequence_breakers": None, "top_n_sigma": -1.0, "top_a": 0.0, "smoothing_factor": 0.0,
+    "min_tokens": 0, "best_of": 1, "use_beam_search": False, "length_penalty": 1.0, "repeat_last_n": 64,
+    "penalty_last_n": 64, "n_probs": 0, "samplers": None, "grammar": None, "json_schema": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 MAX_JSON_DEPTH = 64  # nesting of a request body (a chat body needs 4, a JSON schema rarely 20)
 INT32_MAX = 2**31 - 1  # token counts and ids are int32 in llama.cpp
@@ -235,7 +247,27 @@ def parse(kind: type[_Strict], body: Any) -> Any:
     for name in UNSUPPORTED:
         if body.get(name) not in (None, [], {}):
             raise ApiError(400, f"{name} is not supported by kvrt's server", param=name, code="unsupported_parameter")
+    if issubclass(kind, _Body):
+        _refuse_unhonoured(body)
     return parsed
+
+
+def _refuse_unhonoured(body: Mapping[str, Any]) -> None:
+    """A 400 naming every sampling parameter in ``body`` that kvrt would otherwise silently ignore."""
+    asked = [name for name, neutral in UNHONOURED_SAMPLING.items()
+             if body.get(name) is not None and not _same(body[name], neutral)]
+    if asked:
+        listed = ", ".join(f"{name}={json.dumps(body[name])[:40]}" for name in asked)
+        raise ApiError(400, f"{', '.join(asked)}: kvrt does not implement these sampling parameters ({listed}); leave "
+                            "them out (or at their neutral value) and use temperature, top_p, top_k, min_p, the "
+                            "penalties, logit_bias or response_format", param=asked[0], code="unsupported_parameter")
+
+
+def _same(value: Any, neutral: object) -> bool:
+    """``value`` is the neutral value (a number of the same value; a bool only as a bool)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return isinstance(value, (int, float)) and isinstance(neutral, (int, float)) and value == neutral
 
 
 def _field_names(kind: type[_Strict], loc: Sequence[Any]) -> set[str]:
