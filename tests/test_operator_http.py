@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import logging
+import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -316,3 +319,21 @@ def test_a_bool_is_not_a_neutral_number(served):
     status, answer = send(served, "POST", "/v1/completions", {"model": "tiny", "prompt": "x", "mirostat": False},
                           BEARER)
     assert (status, answer["error"]["param"]) == (400, "mirostat")
+
+
+def test_one_info_line_per_request(served, caplog):
+    caplog.set_level(logging.INFO, logger="kvrt.serve.http")
+    status, answer = send(served, "POST", "/v1/completions", {"model": "tiny", "prompt": "Log me", "max_tokens": 3,
+                                                              "temperature": 0, "ignore_eos": True}, BEARER)
+    assert status == 200
+    limit = time.monotonic() + WAIT_S  # the line is written once the answer is sent: wait for it, bounded
+    while not (lines := [r for r in caplog.records if r.name == "kvrt.serve.http"
+                         and "/v1/completions" in r.getMessage()]) and time.monotonic() < limit:
+        time.sleep(0.01)
+    assert len(lines) == 1
+    assert lines[0].levelno == logging.INFO
+    message = lines[0].getMessage()
+    usage = answer["usage"]
+    assert message.startswith("POST /v1/completions model=tiny status=200 ")
+    assert f"prompt_tokens={usage['prompt_tokens']} completion_tokens=3 ttft_ms=" in message
+    assert re.search(r"ttft_ms=\d+\.\d total_ms=\d+\.\d$", message)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import socket
 import threading
 import time
@@ -103,6 +104,7 @@ from kvrt.serve.openai_schema import (
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 DEFAULT_MAX_INPUT_BYTES = 4 << 20  # a request body's bytes (a 10 MB chat message froze every client for seconds)
 TOKENIZER_THREADS = 2
+log = logging.getLogger("kvrt.serve.http")  # one info line per answered request (kvrt -v serve shows them)
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key (a load balancer's probe has none)
 _T = TypeVar("_T")
 
@@ -164,10 +166,10 @@ class _RequireKey:
 
 class _Observe:
     """ASGI middleware: gives each request a :class:`RequestRecord` (``request.state.kvrt``) for its route
-    to fill in, and hands it with the status to ``done(path, status, record)`` once the answer is sent
-    (a stream's last chunk included)."""
+    to fill in, and hands it with the status to ``done(method, path, status, record)`` once the answer
+    is sent (a stream's last chunk included)."""
 
-    def __init__(self, app: Any, done: Callable[[str, int, RequestRecord], None]) -> None:
+    def __init__(self, app: Any, done: Callable[[str, str, int, RequestRecord], None]) -> None:
         self.app, self._done = app, done
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -187,7 +189,7 @@ class _Observe:
         try:
             await self.app(scope, receive, sending)
         finally:
-            self._done(scope["path"], status, record)
+            self._done(scope["method"], scope["path"], status, record)
 
 
 def _note(record: RequestRecord, event: Event) -> None:
@@ -280,10 +282,15 @@ class OpenAIServer:
     async def prometheus(self) -> Response:
         return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    def _answered(self, path: str, status: int, record: RequestRecord) -> None:
-        """One request answered: counted under its route's template (``other`` where no route serves it)."""
+    def _answered(self, method: str, path: str, status: int, record: RequestRecord) -> None:
+        """One request answered: counted under its route's template (``other`` where no route serves it)
+        and logged."""
         route = next((r.path for r in self.app.routes if isinstance(r, Route) and r.path_regex.match(path)), "other")
         self.metrics.request_done(route, status, record)
+        ttft = "-" if record.ttft_s is None else f"{record.ttft_s * 1e3:.1f}"
+        log.info("%s %s model=%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f", method,
+                 route, record.model or "-", status, record.prompt_tokens, record.completion_tokens, ttft,
+                 (time.monotonic() - record.started) * 1e3)
 
     def _model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self._created, "owned_by": "kvrt"}
