@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import os
 import json
 import logging
 import re
@@ -138,6 +139,8 @@ def parse_serve(argv: list[str]) -> argparse.Namespace:
 
 def test_api_key_comes_from_kvrt_api_key_and_the_option_wins(monkeypatch):
     monkeypatch.delenv("KVRT_API_KEY", raising=False)
+    assert parse_serve([]).api_key is None
+    monkeypatch.setenv("KVRT_API_KEY", "")  # empty: unset
     assert parse_serve([]).api_key is None
     monkeypatch.setenv("KVRT_API_KEY", "from-env")
     assert parse_serve([]).api_key == "from-env"
@@ -337,3 +340,60 @@ def test_one_info_line_per_request(served, caplog):
     assert message.startswith("POST /v1/completions model=tiny status=200 ")
     assert f"prompt_tokens={usage['prompt_tokens']} completion_tokens=3 ttft_ms=" in message
     assert re.search(r"ttft_ms=\d+\.\d total_ms=\d+\.\d$", message)
+
+
+def test_an_int_option_from_the_environment_and_the_command_line_wins(monkeypatch):
+    monkeypatch.delenv("KVRT_N_CTX", raising=False)
+    assert parse_serve([]).n_ctx == 4096
+    monkeypatch.setenv("KVRT_N_CTX", "1024")
+    assert parse_serve([]).n_ctx == 1024
+    assert parse_serve(["--n-ctx", "2048"]).n_ctx == 2048
+    monkeypatch.setenv("KVRT_N_CTX", "0")
+    assert parse_serve(["--n-ctx", "2048"]).n_ctx == 2048  # a bad variable the command line overrides is unused
+
+
+def test_a_bad_int_from_the_environment_is_reported_by_its_option(monkeypatch, capsys):
+    monkeypatch.setenv("KVRT_N_CTX", "lots")
+    with pytest.raises(SystemExit):
+        parse_serve([])
+    assert "--n-ctx" in capsys.readouterr().err
+
+
+def test_a_choice_from_the_environment_is_checked(monkeypatch, capsys):
+    monkeypatch.setenv("KVRT_KV_LAYOUT", "unified")
+    assert parse_serve([]).kv_layout == "unified"
+    assert parse_serve(["--kv-layout", "split"]).kv_layout == "split"
+    monkeypatch.setenv("KVRT_KV_LAYOUT", "sideways")
+    with pytest.raises(SystemExit):
+        parse_serve([])
+    err = capsys.readouterr().err
+    assert "--kv-layout" in err and "sideways" in err
+
+
+@pytest.mark.parametrize(("value", "expected"), [("0", False), ("no", False), ("1", True), ("On", True)])
+def test_a_flag_from_the_environment_and_the_command_line_wins(monkeypatch, value, expected):
+    monkeypatch.setenv("KVRT_PREFETCH", value)
+    assert parse_serve([]).prefetch is expected
+    assert parse_serve(["--prefetch"]).prefetch is True
+    assert parse_serve(["--no-prefetch"]).prefetch is False
+
+
+def test_a_flag_that_is_not_yes_or_no_is_refused(monkeypatch):
+    monkeypatch.setenv("KVRT_PREFETCH", "maybe")
+    with pytest.raises(KvrtError, match="KVRT_PREFETCH='maybe' is not a yes or no"):
+        parse_serve([])
+
+
+def test_models_from_the_environment_split_on_pathsep(monkeypatch):
+    monkeypatch.setenv("KVRT_MODEL", os.pathsep.join(["a.gguf", "b.gguf"]))
+    assert parse_serve([]).model == ["a.gguf", "b.gguf"]
+
+
+def test_help_names_every_options_variable():
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    text = " ".join(parser.format_help().split())  # help wraps lines anywhere
+    options = [o for action in parser._actions for o in action.option_strings[:1] if o.startswith("--")]
+    assert {"--n-ctx", "--kv-layout", "--prefetch", "--api-key", "--http"} <= set(options)
+    for option in options:
+        assert f"[env KVRT_{option[2:].upper().replace('-', '_')}]" in text, option
