@@ -253,6 +253,9 @@ typedef struct llama_token_data_array {
 void llama_sampler_apply(struct llama_sampler * smpl, llama_token_data_array * cur_p);
 struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab, const char * grammar_str,
                                                   const char * grammar_root);
+typedef struct llama_logit_bias { llama_token token; float bias; } llama_logit_bias;
+struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
+                                                     const llama_logit_bias * logit_bias);
 struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t penalty_last_n, float penalty_repeat,
                                                     float penalty_freq, float penalty_present);
 

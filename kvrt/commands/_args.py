@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Collection
+from typing import Any
+
+from kvrt.errors import KvrtError
+
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def positive_int(text: str) -> int:
@@ -40,3 +46,55 @@ def seconds(*, zero: bool) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+def env_name(action: argparse.Action) -> str:
+    """``--n-ctx`` -> ``KVRT_N_CTX``."""
+    option = next(o for o in action.option_strings if o.startswith("--"))
+    return "KVRT_" + option[2:].upper().replace("-", "_")
+
+
+def env_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every long option of ``parser`` takes its default from ``KVRT_<OPTION>`` when that is set and non-empty;
+    the command line wins. Each option's help names its variable.
+
+    A value is converted like the command line's, when the option is absent from it (argparse
+    converts a string default then), so a bad variable is reported by the option it stands for.
+    Flags take 1/0, true/false, yes/no, on/off; a repeatable option (``--model``) takes several
+    values separated by ``os.pathsep``.
+    """
+    for action in parser._actions:
+        if not any(o.startswith("--") for o in action.option_strings) or action.dest == "help":
+            continue
+        name = env_name(action)
+        action.help = f"{action.help or ''} [env {name}]".strip()
+        raw = os.environ.get(name, "")
+        if raw:
+            action.default = _env_value(action, name, raw)
+
+
+def _env_value(action: argparse.Action, name: str, raw: str) -> Any:
+    """What ``raw`` stands for as ``action``'s default."""
+    if action.nargs == 0:  # a flag: store_true / store_false / --x/--no-x
+        word = raw.strip().lower()
+        if word not in TRUE_WORDS + FALSE_WORDS:
+            raise KvrtError(f"{name}={raw!r} is not a yes or no (one of {', '.join(TRUE_WORDS + FALSE_WORDS)})")
+        on = word in TRUE_WORDS
+        return on if action.const is not False else not on  # store_false's default is the flag's absence
+    if isinstance(action, argparse._AppendAction):
+        return [part for part in raw.split(os.pathsep) if part]
+    if action.choices is not None:
+        action.type = _one_of(action.choices, action.type)
+    return raw
+
+
+def _one_of(choices: Collection[Any], convert: Any) -> Callable[[str], Any]:
+    """argparse type: ``convert(text)`` that must be one of ``choices`` (argparse checks a string default's type,
+    never its choices)."""
+    def check(text: str) -> Any:
+        value = convert(text) if callable(convert) else text
+        if value not in choices:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(map(str, choices))}, got {text!r}")
+        return value
+
+    return check

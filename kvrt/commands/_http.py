@@ -24,7 +24,9 @@ at http://HOST:PORT/v1. Each model gets one llama.cpp context whose sequences ar
 together, one batch per step, so many requests share the machine; a prompt that starts like an
 earlier one reuses that one's cached cells and only the rest is computed. kvrt's own routes:
 /v1/kvrt/pins (keep a prefix cached), /v1/kvrt/fork (continue an earlier completion),
-/v1/kvrt/stats. A model's name is its file name without .gguf."""
+/v1/kvrt/stats; operators get /health (open even with --api-key), /metrics (Prometheus),
+/tokenize and /detokenize. A model's name is its file name without .gguf. Every option can
+also be set by the environment variable named beside it (KVRT_<OPTION>); the command line wins."""
 
 
 def add_http_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +50,8 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                        help="output tokens for chat requests that set no max_tokens (capped by what fits)")
     group.add_argument("--max-input-bytes", type=positive_int, default=4 << 20,
                        help="largest request body in bytes; larger ones get HTTP 413 before they are read whole")
+    group.add_argument("--api-key", metavar="KEY", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health (none: no key needed)")
     group.add_argument("--request-timeout-s", type=seconds(zero=False), default=argparse.SUPPRESS,
                        help="end any request after this many seconds, finish_reason 'deadline' (none: no limit)")
 
@@ -116,7 +120,7 @@ def start_http(args: argparse.Namespace) -> HttpFront:
             engines[name] = Engine(models[-1], config, host_alloc=host.acquire)
         server = OpenAIServer(engines, default_max_tokens=args.max_tokens,
                               request_timeout_s=getattr(args, "request_timeout_s", None),
-                              max_input_bytes=args.max_input_bytes)
+                              max_input_bytes=args.max_input_bytes, api_key=args.api_key)
         address = server.start(host_name, port)  # an address it cannot listen on: KvrtError, one line
     except BaseException:
         _free(engines, models, host)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from kvrt.serve.daemon import Daemon
 
 from kvrt.commands import _http
-from kvrt.commands._args import seconds
+from kvrt.commands._args import env_defaults, seconds
 from kvrt.errors import KvrtError
 
 HELP = "serve agents over a Unix socket (lmxd's protocol) or over HTTP (OpenAI's API)"
@@ -90,6 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout-s", type=seconds(zero=True), default=DEFAULT_STOP_TIMEOUT_S,
                         help="on SIGTERM, wait at most this long for the running request")
     _http.add_http_arguments(parser)
+    env_defaults(parser)  # last: every option above
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,8 +1,9 @@
 """Sampler chains: greedy, or temperature with top-k / top-p / min-p and a seed; optionally a GBNF
-grammar and repetition / frequency / presence penalties in front."""
+grammar, logit biases and repetition / frequency / presence penalties in front."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted once if the token occurred at all (0: off)
     penalty_last_n: int = 64  # how many of the latest generated tokens the penalties look at
     grammar: str | None = None  # GBNF text (root rule ``root``) the output must match
+    # (token, bias) pairs added to those tokens' logits before anything else (OpenAI's logit_bias); a mapping is
+    # accepted and stored as pairs sorted by token
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         checked: dict[str, object] = {
@@ -65,6 +69,7 @@ class SamplingParams:
             "presence_penalty": check_real(self.presence_penalty, "presence_penalty"),
             "penalty_last_n": check_int(self.penalty_last_n, "penalty_last_n", low=0, high=INT32_MAX),
             "grammar": None if self.grammar is None else _check_grammar(self.grammar),
+            "logit_bias": _check_logit_bias(self.logit_bias),
         }
         for name, value in checked.items():
             object.__setattr__(self, name, value)
@@ -80,12 +85,36 @@ class SamplingParams:
         return active and self.penalty_last_n > 0
 
 
+def _check_logit_bias(bias: Mapping[int, float] | Iterable[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
+    """(token, bias) pairs sorted by token: tokens non-negative int32 and given once, biases finite."""
+    pairs = list(bias.items() if isinstance(bias, Mapping) else bias)
+    checked = sorted((check_int(token, "logit_bias token", low=0, high=INT32_MAX),
+                      check_real(value, f"logit_bias of token {token}")) for token, value in pairs)
+    for (a, _), (b, _) in zip(checked, checked[1:]):
+        if a == b:
+            raise InvalidArgument(f"logit_bias gives token {a} more than one bias")
+    return tuple(checked)
+
+
 def _check_grammar(grammar: object) -> str:
     """GBNF text llama.cpp can be handed: non-blank, UTF-8, no NUL (its parser reads a C string)."""
     text = check_text(grammar, "grammar")
     if not text.strip() or "\x00" in text:
         raise InvalidArgument("grammar must be non-empty GBNF text without NUL characters")
     return text
+
+
+def _logit_bias_stage(model: Model, bias: tuple[tuple[int, float], ...]) -> Any:
+    """llama.cpp's logit-bias sampler; a token outside the vocabulary is refused here (llama.cpp would
+    write past the logits)."""
+    for token, _ in bias:
+        if token >= model.n_vocab:
+            raise InvalidArgument(f"logit_bias: token {token} is outside the vocabulary [0, {model.n_vocab})")
+    entries = ffi.new("llama_logit_bias[]", list(bias))
+    stage = lib().llama_sampler_init_logit_bias(model.n_vocab, len(bias), entries)
+    if stage == ffi.NULL:
+        raise LlamaError("llama_sampler_init_logit_bias", f"returned NULL for {len(bias)} biases")
+    return stage
 
 
 class _Grammar(OwnsHandle):
@@ -110,15 +139,16 @@ class _Grammar(OwnsHandle):
 class Sampler(OwnsHandle):
     """A llama.cpp sampler chain built from :class:`SamplingParams` (one per sequence).
 
-    A grammar or penalties need the vocabulary: pass ``model``. The chain is penalties,
-    then greedy or top-k / top-p / min-p / temperature / seeded draw; a grammar is applied
+    A grammar, logit biases or penalties need the vocabulary: pass ``model``. The chain is
+    logit biases, penalties, then greedy or top-k / top-p / min-p / temperature / seeded draw; a grammar is applied
     beside it (:meth:`sample`).
     """
 
     def __init__(self, params: SamplingParams | None = None, *, model: Model | None = None) -> None:
         self.params = params or SamplingParams()
-        if model is None and (self.params.grammar is not None or self.params.penalized):
-            raise KvrtError("a grammar or penalties need the model's vocabulary: Sampler(params, model=model)")
+        if model is None and (self.params.grammar is not None or self.params.penalized or self.params.logit_bias):
+            raise KvrtError("a grammar, logit biases or penalties need the model's vocabulary: "
+                            "Sampler(params, model=model)")
         chain = lib().llama_sampler_chain_init(lib().llama_sampler_chain_default_params())
         if chain == ffi.NULL:
             raise KvrtError("llama_sampler_chain_init returned NULL")
@@ -143,10 +173,12 @@ class Sampler(OwnsHandle):
             lib().llama_sampler_chain_add(chain, stage)  # the chain now owns the stage
 
     def _add_constraints(self, chain: Any, model: Model) -> None:
-        """The grammar sampler and the penalty stage (owned by the chain as soon as it exists)."""
+        """The grammar sampler, the logit-bias and penalty stages (owned by the chain as soon as they exist)."""
         p = self.params
         if p.grammar is not None:
             self._grammar = _Grammar(model, p.grammar)
+        if p.logit_bias:
+            lib().llama_sampler_chain_add(chain, _logit_bias_stage(model, p.logit_bias))
         if p.penalized:
             stage = lib().llama_sampler_init_penalties(model.n_vocab, p.penalty_last_n, p.repeat_penalty,
                                                        p.frequency_penalty, p.presence_penalty)
@@ -156,9 +188,10 @@ class Sampler(OwnsHandle):
 
     @property
     def plain_greedy(self) -> bool:
-        """Greedy with no grammar and no penalties: the chain keeps no state, its pick is the argmax
+        """Greedy with no grammar, penalties or logit biases: the chain keeps no state, its pick is the argmax
         (:meth:`Context.argmax` computes it for many rows at once)."""
-        return self.params.greedy and self._grammar is None and not self.params.penalized
+        p = self.params
+        return p.greedy and self._grammar is None and not p.penalized and not p.logit_bias
 
     def sample(self, ctx: Context, row: int) -> int:
         """Pick the next token from the logits of batch row ``row`` and accept it."""

@@ -13,7 +13,8 @@ greedy, ``top_p`` 1 and no top-k / min-p unless the llama.cpp-style extensions
 ``ignore_eos`` (llama.cpp's and vLLM's extension) keeps generating past an
 end-of-generation token, and ``return_tokens`` (llama.cpp's, text completions) puts each
 choice's token ids beside its text, so a client can continue a completion
-token-exactly. ``response_format`` ``json_object`` / ``json_schema``
+token-exactly. ``logit_bias`` (token id -> [-100, 100]) is added to those tokens' logits by
+llama.cpp's logit-bias sampler before any other stage. ``response_format`` ``json_object`` / ``json_schema``
 constrain the output through llama.cpp's grammar sampler, the schema converted to
 GBNF by llama-cpp-python's converter.
 """
@@ -34,12 +35,26 @@ from kvrt.engine.model import Model
 from kvrt.engine.requests import MAX_LOGPROBS, Request
 from kvrt.engine.sampling import MAX_SEED, SamplingParams
 
-UNSUPPORTED = ("tools", "functions", "function_call", "logit_bias", "suffix", "audio", "modalities", "prediction")
+UNSUPPORTED = ("tools", "functions", "function_call", "suffix", "audio", "modalities", "prediction")
+# Sampling parameters of llama-server / vLLM / text-generation-webui that kvrt's sampler does not implement, with
+# the value that asks for nothing (what clients send when they always send every field); any other value is a 400
+# naming them all rather than an output sampled differently from what was asked. No neutral value: None.
+UNHONOURED_SAMPLING: dict[str, object] = {
+    "typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1,
+    "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
+    "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+    "dry_sequence_breakers": None, "top_n_sigma": -1.0, "top_a": 0.0, "smoothing_factor": 0.0,
+    "min_tokens": 0, "best_of": 1, "use_beam_search": False, "length_penalty": 1.0, "repeat_last_n": 64,
+    "penalty_last_n": 64, "n_probs": 0, "samplers": None, "grammar": None, "json_schema": None,
+    "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+}
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for the legacy completions endpoint
 MAX_JSON_DEPTH = 64  # nesting of a request body (a chat body needs 4, a JSON schema rarely 20)
 INT32_MAX = 2**31 - 1  # token counts and ids are int32 in llama.cpp
 TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+KEYED_FIELDS = frozenset({"logit_bias"})  # objects whose keys are data: a 400 names the key (logit_bias.50256)
+LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]  # OpenAI's range
 
 
 class ApiError(Exception):
@@ -93,6 +108,7 @@ class _Body(_Strict):
     repetition_penalty: float = Field(1.0, gt=0.0)
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False  # llama.cpp / vLLM: an end-of-generation token does not end the output
+    logit_bias: dict[str, LogitBias] | None = None  # token id (as a string, OpenAI's JSON) -> added to its logit
 
     @field_validator("seed")
     @classmethod
@@ -137,6 +153,39 @@ class PinBody(_Strict):
     model: str
     prompt: str | list[int] | None = None
     messages: list[ChatMessageBody] | None = None
+
+
+class TokenizeBody(_Strict):
+    """``/tokenize`` (llama-server's shape); ``model`` may be left out when the server has one model."""
+
+    content: str
+    add_special: bool = False  # llama-server's default: no BOS unless asked
+    model: str | None = None
+
+
+class DetokenizeBody(_Strict):
+    """``/detokenize`` (llama-server's shape)."""
+
+    tokens: list[TokenId]
+    model: str | None = None
+
+
+def check_vocab(model: Model, tokens: Sequence[int], param: str) -> None:
+    """A 400 naming the first of ``tokens`` outside the model's vocabulary (``param[i]``)."""
+    for i, token in enumerate(tokens):
+        if not 0 <= token < model.n_vocab:
+            raise ApiError(400, f"{param}[{i}]: token {token} is outside the vocabulary [0, {model.n_vocab})",
+                           param=f"{param}[{i}]", code="invalid_token")
+
+
+def pieces_text(model: Model, tokens: Sequence[int]) -> str:
+    """The tokens' pieces (special tokens' text included) joined, as llama-server's ``/detokenize`` answers.
+
+    Not ``llama_detokenize``, which drops a leading space a tokenizer added: a client that
+    splits a text at token boundaries gets back exactly what it joins. Bytes are joined
+    before decoding, so a character split across tokens survives.
+    """
+    return b"".join(model.token_to_piece(t, special=True) for t in tokens).decode("utf-8", "replace")
 
 
 def _param(loc: Sequence[Any]) -> str:
@@ -189,14 +238,36 @@ def parse(kind: type[_Strict], body: Any) -> Any:
         # a union's members each report: the one that got furthest into the value says the most
         first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]), key=lambda e: len(e["loc"]))
         # a union's error carries the member type as an extra location part: keep the field's path only
-        loc = [p for p in first["loc"] if isinstance(p, int) or p in _field_names(kind, first["loc"])]
+        names, where = _field_names(kind, first["loc"]), first["loc"]
+        loc = [p for i, p in enumerate(where)
+               if isinstance(p, int) or p in names or (i > 0 and where[i - 1] in KEYED_FIELDS)]
         param = _param(loc) or None
         raise ApiError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param,
                        code=first["type"]) from None
     for name in UNSUPPORTED:
         if body.get(name) not in (None, [], {}):
             raise ApiError(400, f"{name} is not supported by kvrt's server", param=name, code="unsupported_parameter")
+    if issubclass(kind, _Body):
+        _refuse_unhonoured(body)
     return parsed
+
+
+def _refuse_unhonoured(body: Mapping[str, Any]) -> None:
+    """A 400 naming every sampling parameter in ``body`` that kvrt would otherwise silently ignore."""
+    asked = [name for name, neutral in UNHONOURED_SAMPLING.items()
+             if body.get(name) is not None and not _same(body[name], neutral)]
+    if asked:
+        listed = ", ".join(f"{name}={json.dumps(body[name])[:40]}" for name in asked)
+        raise ApiError(400, f"{', '.join(asked)}: kvrt does not implement these sampling parameters ({listed}); leave "
+                            "them out (or at their neutral value) and use temperature, top_p, top_k, min_p, the "
+                            "penalties, logit_bias or response_format", param=asked[0], code="unsupported_parameter")
+
+
+def _same(value: Any, neutral: object) -> bool:
+    """``value`` is the neutral value (a number of the same value; a bool only as a bool)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return isinstance(value, (int, float)) and isinstance(neutral, (int, float)) and value == neutral
 
 
 def _field_names(kind: type[_Strict], loc: Sequence[Any]) -> set[str]:
@@ -355,8 +426,20 @@ def _local_refs(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def engine_request(body: _Body, prompt: list[int], *, n_cells: int, max_tokens: int | None, default_max_tokens: int,
-                   logprobs: int | None) -> Request:
+def logit_bias_pairs(bias: Mapping[str, float] | None, n_vocab: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``'s (token, bias) pairs; a key that is not a token id of the vocabulary is a 400 naming it."""
+    pairs = []
+    for key, value in (bias or {}).items():
+        token = int(key) if key.isascii() and key.isdigit() else -1
+        if not 0 <= token < n_vocab:
+            raise ApiError(400, f"logit_bias.{key}: {key!r} is not a token id of the vocabulary [0, {n_vocab})",
+                           param=f"logit_bias.{key}", code="invalid_token")
+        pairs.append((token, value))
+    return tuple(pairs)
+
+
+def engine_request(body: _Body, prompt: list[int], *, n_cells: int, n_vocab: int, max_tokens: int | None,
+                   default_max_tokens: int, logprobs: int | None) -> Request:
     """The engine's :class:`Request` for a validated body.
 
     ``max_tokens`` None: ``default_max_tokens`` or whatever still fits the context beside
@@ -371,6 +454,7 @@ def engine_request(body: _Body, prompt: list[int], *, n_cells: int, max_tokens: 
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
         seed=(secrets.randbelow(MAX_SEED + 1) if body.seed is None else body.seed),
         repeat_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty, penalty_last_n=max_tokens, grammar=grammar_of(body.response_format))
+        presence_penalty=body.presence_penalty, penalty_last_n=max_tokens, grammar=grammar_of(body.response_format),
+        logit_bias=logit_bias_pairs(body.logit_bias, n_vocab))
     params = GenerationParams(max_tokens=max_tokens, stop=tuple(stops), sampling=sampling, ignore_eos=body.ignore_eos)
     return Request(prompt, params, n=body.n, stop_token_ids=frozenset(body.stop_token_ids), logprobs=logprobs)

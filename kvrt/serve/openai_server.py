@@ -16,6 +16,21 @@ engine's queue is full. kvrt's own routes live under ``/v1/kvrt/``:
 ``GET /v1/kvrt/stats``
     every engine's counters (prefilled and reused tokens, slots, cells).
 
+``POST /tokenize`` / ``POST /detokenize`` (llama-server's shapes)
+    ``{"content", "add_special", "model"}`` -> ``{"tokens"}`` (special-token text parsed) and
+    ``{"tokens", "model"}`` -> ``{"content"}`` (the pieces joined, special tokens' text
+    included); ``model`` may be
+    left out when the server has one.
+
+``GET /metrics`` is Prometheus' text format (see :mod:`kvrt.serve.metrics`).
+
+``GET /health`` answers 200 ``{"status": "ok", "models": {name: {"queued", "active"}}}``
+while serving and 503 ``{"status": "shutting_down", ...}`` once :meth:`OpenAIServer.stop_accepting`
+was called, so a load balancer stops sending before the engines close.
+
+With ``api_key`` set every route but ``/health`` needs ``Authorization: Bearer <key>``; a
+missing or wrong key gets 401 ``invalid_api_key`` before the body is read.
+
 A client that disconnects cancels its request (its slot is freed at the next step).
 A body over ``max_input_bytes`` is refused with 413 before it is read whole; a prompt
 whose text cannot fit the model's cells is refused before it is tokenized; tokenizing and
@@ -27,7 +42,9 @@ Model names are the GGUF files' stems.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
 import socket
 import threading
 import time
@@ -42,6 +59,7 @@ from fastapi import FastAPI
 from fastapi import Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Route
 
 from kvrt.engine.batching import Engine
 from kvrt.engine.requests import (
@@ -59,6 +77,8 @@ from kvrt.engine.requests import (
     TokenEvent,
 )
 from kvrt.errors import KvrtError
+from kvrt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kvrt.serve.metrics import RequestRecord, ServerMetrics
 from kvrt.serve.openai_format import Kind, Shaper
 from kvrt.serve.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -66,20 +86,26 @@ from kvrt.serve.openai_schema import (
     ApiError,
     ChatBody,
     CompletionBody,
+    DetokenizeBody,
     ForkBody,
     PinBody,
+    TokenizeBody,
     chat_prompt,
     check_json,
+    check_vocab,
     completion_prompt,
     engine_request,
     longest_piece,
     parse,
+    pieces_text,
     text_tokens,
 )
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 DEFAULT_MAX_INPUT_BYTES = 4 << 20  # a request body's bytes (a 10 MB chat message froze every client for seconds)
 TOKENIZER_THREADS = 2
+log = logging.getLogger("kvrt.serve.http")  # one info line per answered request (kvrt -v serve shows them)
+OPEN_PATHS = frozenset({"/health"})  # answered without the API key (a load balancer's probe has none)
 _T = TypeVar("_T")
 
 
@@ -106,6 +132,74 @@ class _Bridge:
             await self._flag.wait()
 
 
+class _RequireKey:
+    """ASGI middleware: every path but ``open_paths`` needs ``Authorization: Bearer <key>`` (else 401).
+
+    Plain ASGI rather than Starlette's ``BaseHTTPMiddleware``, which would sit between the
+    routes and their client's disconnects and streamed bodies.
+    """
+
+    def __init__(self, app: Any, key: str, open_paths: frozenset[str]) -> None:
+        self.app, self._key, self._open = app, key.encode("utf-8"), open_paths
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in self._open:
+            refusal = self._refusal(dict(scope["headers"]).get(b"authorization"))
+            if refusal is not None:
+                response = JSONResponse(refusal.body(), status_code=refusal.status,
+                                        headers={"www-authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, header: bytes | None) -> ApiError | None:
+        """None when ``header`` carries the key; else the 401 saying whether a key was missing or wrong."""
+        scheme, _, given = (header or b"").partition(b" ")
+        if header is None or scheme.lower() != b"bearer" or not given.strip():
+            message = "no API key: send it as 'Authorization: Bearer <key>'"
+        elif hmac.compare_digest(given.strip(), self._key):
+            return None
+        else:
+            message = "the API key in the Authorization header is not this server's (kvrt serve --api-key)"
+        return ApiError(401, message, code="invalid_api_key")
+
+
+class _Observe:
+    """ASGI middleware: gives each request a :class:`RequestRecord` (``request.state.kvrt``) for its route
+    to fill in, and hands it with the status to ``done(method, path, status, record)`` once the answer
+    is sent (a stream's last chunk included)."""
+
+    def __init__(self, app: Any, done: Callable[[str, str, int, RequestRecord], None]) -> None:
+        self.app, self._done = app, done
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord()
+        scope.setdefault("state", {})["kvrt"] = record
+        status = 500  # what the client gets if the app raises before answering
+
+        async def sending(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            self._done(scope["method"], scope["path"], status, record)
+
+
+def _note(record: RequestRecord, event: Event) -> None:
+    """Record a token's arrival or the request's token counts."""
+    if isinstance(event, TokenEvent):
+        record.token(event.index)
+    elif isinstance(event, RequestEnd):
+        record.end(event)
+
+
 def _sse(obj: Mapping[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
@@ -116,17 +210,21 @@ class OpenAIServer:
     ``default_max_tokens`` caps chat / fork requests that give no max_tokens;
     ``request_timeout_s`` (if set) is every request's deadline; the tokens of the latest
     ``remember`` completions are kept for ``/v1/kvrt/fork``; a request body over
-    ``max_input_bytes`` is answered 413.
+    ``max_input_bytes`` is answered 413; with ``api_key`` every route but ``/health`` needs it as a
+    bearer token.
     """
 
     def __init__(self, engines: Mapping[str, Engine], *, default_max_tokens: int = 512,
                  request_timeout_s: float | None = None, remember: int = 1024,
-                 max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES) -> None:
+                 max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES, api_key: str | None = None) -> None:
         if not engines:
             raise KvrtError("the OpenAI server needs at least one model")
         if isinstance(max_input_bytes, bool) or not isinstance(max_input_bytes, int) or max_input_bytes < 1:
             raise KvrtError(f"max_input_bytes must be a positive integer, got {max_input_bytes!r}")
+        if api_key is not None and (not api_key or api_key != api_key.strip()):
+            raise KvrtError("api_key must be non-empty, without leading or trailing spaces")
         self.max_input_bytes = max_input_bytes
+        self._api_key = api_key
         self._tokenizer = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvrt-tokenize")
         self.engines = dict(engines)
         self._pieces = {name: self._tokenizer.submit(longest_piece, engine.model)  # model name -> its longest
@@ -138,7 +236,9 @@ class OpenAIServer:
         self._outputs: OrderedDict[str, tuple[str, list[list[int]]]] = OrderedDict()
         self._pins: dict[str, tuple[str, str]] = {}  # public pin id -> (model, the engine's pin id)
         self._server: Any = None
+        self._stopping = False  # stop_accepting() was called: /health says 503
         self._thread: threading.Thread | None = None
+        self.metrics = ServerMetrics(self.engines)
         self.app = self._build_app()
 
     # -- routes -------------------------------------------------------------------------
@@ -146,6 +246,11 @@ class OpenAIServer:
         app = FastAPI(title="kvrt", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_exception_handler(ApiError, self._on_api_error)  # type: ignore[arg-type]
         app.add_exception_handler(HTTPException, self._on_http_error)  # type: ignore[arg-type]
+        if self._api_key is not None:
+            app.add_middleware(_RequireKey, key=self._api_key, open_paths=OPEN_PATHS)
+        app.add_middleware(_Observe, done=self._answered)  # outermost: refusals of the key are counted too
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.prometheus)
         app.get("/v1/models")(self.list_models)
         app.get("/v1/models/{model_id}")(self.get_model)
         app.post("/v1/completions")(self.completions)
@@ -154,6 +259,8 @@ class OpenAIServer:
         app.post("/v1/kvrt/pins")(self.pin)
         app.delete("/v1/kvrt/pins/{pin_id}")(self.unpin)
         app.get("/v1/kvrt/stats")(self.stats)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
         return app
 
     async def _on_api_error(self, _request: HttpRequest, exc: ApiError) -> JSONResponse:
@@ -162,6 +269,28 @@ class OpenAIServer:
     async def _on_http_error(self, _request: HttpRequest, exc: HTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind=kind).body(), status_code=exc.status_code)
+
+    async def health(self) -> JSONResponse:
+        """200 while serving, 503 once shutting down; each model's waiting and running requests either way."""
+        models = {}
+        for name, engine in self.engines.items():
+            stats = engine.stats()
+            models[name] = {"queued": stats.queued, "active": stats.active}
+        status = "shutting_down" if self._stopping else "ok"
+        return JSONResponse({"status": status, "models": models}, status_code=503 if self._stopping else 200)
+
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    def _answered(self, method: str, path: str, status: int, record: RequestRecord) -> None:
+        """One request answered: counted under its route's template (``other`` where no route serves it)
+        and logged."""
+        route = next((r.path for r in self.app.routes if isinstance(r, Route) and r.path_regex.match(path)), "other")
+        self.metrics.request_done(route, status, record)
+        ttft = "-" if record.ttft_s is None else f"{record.ttft_s * 1e3:.1f}"
+        log.info("%s %s model=%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f", method,
+                 route, record.model or "-", status, record.prompt_tokens, record.completion_tokens, ttft,
+                 (time.monotonic() - record.started) * 1e3)
 
     def _model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self._created, "owned_by": "kvrt"}
@@ -242,6 +371,19 @@ class OpenAIServer:
     async def stats(self) -> dict[str, Any]:
         return {name: asdict(engine.stats()) for name, engine in self.engines.items()}
 
+    async def tokenize(self, request: HttpRequest) -> dict[str, Any]:
+        body = parse(TokenizeBody, await self._json(request))
+        model = self._only_or_named(body.model).model
+        tokens = await self._off_loop(lambda: model.tokenize(body.content, add_special=body.add_special,
+                                                             parse_special=True))
+        return {"tokens": tokens}
+
+    async def detokenize(self, request: HttpRequest) -> dict[str, Any]:
+        body = parse(DetokenizeBody, await self._json(request))
+        model = self._only_or_named(body.model).model
+        check_vocab(model, body.tokens, "tokens")
+        return {"content": await self._off_loop(lambda: pieces_text(model, body.tokens))}
+
     # -- the shared path ------------------------------------------------------------------
     async def _off_loop(self, fn: Callable[[], _T]) -> _T:
         """``fn()`` on the tokenizer threads (tokenizing and chat templates never run on the event loop)."""
@@ -287,15 +429,25 @@ class OpenAIServer:
                            kind="not_found_error", param="model", code="model_not_found")
         return engine
 
+    def _only_or_named(self, name: str | None) -> Engine:
+        """The engine of model ``name``; with none named, the server's only one (a 400 when it has several)."""
+        if name is not None:
+            return self._engine(name)
+        if len(self.engines) > 1:
+            raise ApiError(400, f"model: this server has {sorted(self.engines)}; name one", param="model")
+        return next(iter(self.engines.values()))
+
     async def _run(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
                    max_tokens: int | None, logprobs: int | None) -> Response:
         try:
-            job = engine_request(body, prompt, n_cells=engine.n_cells, max_tokens=max_tokens,
-                                 default_max_tokens=self.default_max_tokens, logprobs=logprobs)
+            job = engine_request(body, prompt, n_cells=engine.n_cells, n_vocab=engine.model.n_vocab,
+                                 max_tokens=max_tokens, default_max_tokens=self.default_max_tokens, logprobs=logprobs)
             if self.request_timeout_s is not None:
                 job = replace(job, deadline=time.monotonic() + self.request_timeout_s)
         except KvrtError as exc:
             raise ApiError(400, str(exc)) from None
+        record: RequestRecord = request.state.kvrt
+        record.model = body.model
         bridge = _Bridge()
         stream = self._submit(engine, lambda: engine.submit(job, notify=bridge.notify), job)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -305,7 +457,7 @@ class OpenAIServer:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             events = bridge.events(stream)
             first = await self._admitted(request, stream, events)  # a refusal is still an HTTP error here
-            return StreamingResponse(self._stream(stream, events, first, shaper, usage),
+            return StreamingResponse(self._stream(stream, events, first, shaper, usage, record),
                                      media_type="text/event-stream")
         result = await self._collect(request, stream, bridge)
         self._remember(shaper.id, body.model, prompt, result.choices)
@@ -347,6 +499,7 @@ class OpenAIServer:
         result: RequestResult | None = None
         try:
             async for event in bridge.events(stream):
+                _note(request.state.kvrt, event)
                 result = collector.add(event) or result
         finally:
             watcher.cancel()
@@ -377,7 +530,7 @@ class OpenAIServer:
         return first
 
     async def _stream(self, stream: RequestStream, events: AsyncIterator[Event], first: list[Event],
-                      shaper: Shaper, usage: bool) -> AsyncIterator[str]:
+                      shaper: Shaper, usage: bool, record: RequestRecord) -> AsyncIterator[str]:
         """SSE chunks as tokens arrive (``first``: those already taken from ``events``); leaving early (a
         disconnect) cancels the request."""
         collector = ResultCollector(stream.request.n)
@@ -394,6 +547,7 @@ class OpenAIServer:
             if opening is not None:
                 yield _sse(opening)
             async for event in everything():
+                _note(record, event)
                 collector.add(event)
                 if isinstance(event, TokenEvent):
                     if event.text or event.logprob is not None or shaper.tokens:
@@ -446,7 +600,9 @@ class OpenAIServer:
         return sock.getsockname()[0], sock.getsockname()[1]
 
     def stop_accepting(self) -> None:
-        """Begin :meth:`stop`: no new connections; open ones finish (close the engines to end their requests)."""
+        """Begin :meth:`stop`: no new connections; open ones finish (close the engines to end their requests);
+        ``/health`` answers 503 from now on."""
+        self._stopping = True
         if self._server is not None:
             self._server.should_exit = True
 
