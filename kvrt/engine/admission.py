@@ -95,6 +95,12 @@ class EngineConfig:
             return 0
         return self.pool_cells // self.n_seq_max // CELL_ALIGN * CELL_ALIGN
 
+    @property
+    def request_cells(self) -> int:
+        """The most cells one request may hold: a slot's stream in a fixed split layout, else the pool (``auto``
+        turns unified for a request that needs it)."""
+        return self.split_cells if self.kv_layout == "split" else self.pool_cells
+
     def starts_shared(self) -> bool:
         """Whether the engine's first context is unified (``auto`` starts split where it can)."""
         return self.kv_layout == "unified" or not self.split_cells
@@ -141,7 +147,7 @@ def check_fits(request: Request, config: EngineConfig, n_vocab: int) -> None:
     """
     n, limit, prompt = request.n, request.params.max_tokens, len(request.prompt)
     split = config.kv_layout == "split"
-    n_cells = config.split_cells if split else config.pool_cells
+    n_cells = config.request_cells
     where = (f"a slot's {n_cells} cells (kv_layout 'split': {config.n_ctx} cells over {config.n_seq_max} slots)"
              if split else f"the context's {n_cells} cells")
     if prompt + limit > n_cells:

@@ -124,7 +124,7 @@ class Engine:
     def n_cells(self) -> int:
         """The most cells one request may hold (prompt and output), from the configuration: other threads read it
         while the worker may be recreating the context in another layout."""
-        return self.config.split_cells if self.config.kv_layout == "split" else self.config.pool_cells
+        return self.config.request_cells
 
     def submit(self, request: Request, *, notify: Callable[[], None] | None = None) -> RequestStream:
         """Queue ``request``; its events arrive on the returned stream (see :class:`RequestStream`).
