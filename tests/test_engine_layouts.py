@@ -106,10 +106,15 @@ def test_auto_stays_unified_through_pauses_shorter_than_split_after_idle_s(tiny_
     long = private_histories(tiny_model.n_vocab, 1, 400, seed=10)[0]
     short = [h[1:] for h in private_histories(tiny_model.n_vocab, 2, 30, seed=11)]
     with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64, split_after_idle_s=3600) as eng:
-        for prompt in [long, *short]:  # the long one is evicted: only the pause keeps it unified
-            eng.submit(Request(prompt, greedy(2))).result(WAIT_S)
-        time.sleep(1.5)  # three idle wake-ups of the worker
+        first = [eng.submit(Request(p, greedy(2))) for p in (long, short[0])]  # the short one joins the pool
+        returning = short[0] + first[1].result(WAIT_S).choices[0].tokens
+        first[0].result(WAIT_S)
+        # an agent's next turn keeps the pool; a new agent joins it while that turn runs and evicts the long one
+        for stream in [eng.submit(Request(p, greedy(2))) for p in (returning, short[1])]:
+            stream.result(WAIT_S)
+        time.sleep(1.5)  # three idle wake-ups of the worker: only the pause keeps it unified
         stats = eng.stats()
+        assert all(eng.cache.held(slot) <= 256 for slot in range(2))
     assert (stats.kv_layout, stats.relayouts) == ("unified", 1)
     with pytest.raises(EngineError, match="split_after_idle_s must be a finite number >= 0"):
         EngineConfig(split_after_idle_s=-1.0)
@@ -129,7 +134,8 @@ def test_a_switch_drops_the_cache_and_a_returning_conversation_is_prefilled_exac
         after = eng.stats()
         assert len(eng.cache.host) == 0
     assert (before.relayouts, after.restored_tokens) == (1, 0)
-    assert again.end.cached_tokens == 1  # the BOS cell the long history shares with it
+    # the pool holds only the BOS of the turn (shared with the long history): it turns split again for it
+    assert (again.end.cached_tokens, after.relayouts, after.kv_layout) == (0, 2, "split")
     assert again.choices[0].tokens == alone(tiny_model, turn, greedy(4))
 
 
@@ -207,3 +213,26 @@ def test_requests_submitted_while_the_layout_switches_all_complete(tiny_model):
     assert not errors
     assert all(r.end.error is None and len(r.choices[0].tokens) == 2 for r in results)
     assert switches == 2 * len(long)
+
+
+def test_auto_turns_split_at_once_for_fresh_requests_but_keeps_the_pool_for_a_returning_turn(tiny_model):
+    """With nothing running, a unified context turns split for a request that fits a slot and finds less than
+    half of its prompt cached (new agents: the pool's attention over every cell is their cost), without waiting
+    for ``split_after_idle_s`` and although a conversation longer than a slot is still cached; an agent's next
+    turn, whose history the pool holds, keeps it."""
+    long = private_histories(tiny_model.n_vocab, 1, 300, seed=12)[0]  # more than a slot's 256 cells
+    short = private_histories(tiny_model.n_vocab, 1, 60, seed=13)[0]
+    with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64, split_after_idle_s=3600) as eng:
+        together = [eng.submit(Request(p, greedy(4))) for p in (long, short)]  # the short one joins the pool
+        reply = [s.result(WAIT_S) for s in together][1].choices[0].tokens
+        returning = short + reply + [7, 8]
+        kept = eng.submit(Request(returning, greedy(4))).result(WAIT_S)
+        assert (eng.stats().kv_layout, eng.stats().relayouts) == ("unified", 1)
+        fresh_prompt = private_histories(tiny_model.n_vocab, 1, 50, seed=14)[0]
+        fresh = eng.submit(Request(fresh_prompt, greedy(4))).result(WAIT_S)
+        stats = eng.stats()
+        assert_mirror_matches_llama_cpp(eng)
+    assert kept.end.cached_tokens == len(short) + len(reply) - 1
+    assert (stats.kv_layout, stats.slot_cells, stats.relayouts) == ("split", 256, 2)
+    assert kept.choices[0].tokens == alone(tiny_model, returning, greedy(4))
+    assert fresh.choices[0].tokens == alone(tiny_model, fresh_prompt, greedy(4))

@@ -66,7 +66,7 @@ SIZE_OPTIONS = {"fanout": ("fanout_doc", "fanout_question", None, None),
                 "swarm": ("swarm_doc", "swarm_task", "swarm_turns", "swarm_append"),
                 "private": (None, "private_history", "private_turns", "private_append")}
 KVRT_COUNTERS = ("prefilled_tokens", "reused_tokens", "restored_tokens", "decoded_tokens", "steps", "busy_s",
-                 "decode_s")
+                 "decode_s", "admit_s", "fill_s", "sample_s", "host_cpu_s", "relayouts")
 CELL_ROUND = 256
 
 
@@ -149,13 +149,27 @@ def _measure(arm: ServerArm, workload: Workload, timeout_s: float) -> tuple[dict
     s = workload.sizes
     row = turn_metrics(results, workload.n_agents, s.turns, s.gen, wall)
     row |= {f"kvrt_{k}": after[k] - before[k] for k in KVRT_COUNTERS if k in after}
+    if "kv_layout" in after:
+        row["kvrt_kv_layout"] = after["kv_layout"]
     ttft = " ".join(f"t{t + 1} {row[f'ttft_p50_ms_turn{t + 1}']:.0f}/{row[f'ttft_p99_ms_turn{t + 1}']:.0f}"
                     for t in range(s.turns))
     log(f"  {arm.name:>20} {workload.name:>8}: {wall:7.2f} s, {row['output_tokens_per_s']:7.1f} tok/s, "
         f"TTFT p50/p99 ms {ttft}, lost {row['lost_tokens']}, retokenized {row['retokenized_requests']}"
         + (f", kvrt prefilled {row['kvrt_prefilled_tokens']} reused {row['kvrt_reused_tokens']}"
            if "kvrt_prefilled_tokens" in row else ""))
+    if row.get("kvrt_steps"):
+        log(f"  {'':>20} {'':>8}  {_step_times(row)}")
     return row, results
+
+
+def _step_times(row: dict[str, Any]) -> str:
+    """kvrt's steps, phase by phase, in ms a step (EngineStats), and the layout it ended in."""
+    per_step = {k: row[f"kvrt_{k}"] / row["kvrt_steps"] * 1e3 for k in ("busy_s", "decode_s", "admit_s", "fill_s",
+                                                                       "sample_s", "host_cpu_s")}
+    return (f"kvrt {row['kvrt_steps']} steps of {per_step['busy_s']:.1f} ms: decode {per_step['decode_s']:.1f}, "
+            f"admit {per_step['admit_s']:.2f}, fill {per_step['fill_s']:.2f}, sample {per_step['sample_s']:.2f} "
+            f"(worker CPU {per_step['host_cpu_s']:.2f}); layout {row.get('kvrt_kv_layout')}, "
+            f"{row.get('kvrt_relayouts', 0)} relayouts")
 
 
 def _make_arm(name: str, config: ServerConfig, args: argparse.Namespace, server: Path | None,

@@ -27,8 +27,11 @@ holds; ``unified`` pools the cells, so one request may hold more than a slot's s
 and prefixes are shared without copies. ``auto`` runs split and recreates the context
 unified when the request at the head of the queue needs more than a slot's share (it
 waits until nothing runs; pinned prefixes keep the layout, so such a request is then
-refused), and split again once the engine has been idle for ``split_after_idle_s`` (longer
-than agents pause between turns) and nothing it caches needs more.
+refused), and split again when nothing runs and either the request at the head of the queue fits
+a slot and finds less than half of its prompt cached (the pool's cache is not what it
+needs), or the engine has been idle for ``split_after_idle_s`` (longer than agents pause
+between turns) and nothing it caches needs more than a slot. It never holds a request
+back to make a running context split.
 Nothing cached crosses a switch: llama.cpp's sequence state records the stream count of
 the context it came from and is refused by the other layout, so the slots and the host
 tier's copies are dropped, and a returning conversation is prefilled again.
@@ -70,6 +73,30 @@ from kvrt.errors import DecodeError, KvrtError
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # an idle worker re-checks deadlines this often (never part of any assertion)
+
+
+@dataclass
+class _StepClock:
+    """Where the steps that decoded a batch spent their wall time (seconds, summed), phase by phase: admission
+    (commands, deadlines, placing waiting requests), filling the batch, ``llama_decode`` until its outputs are
+    ready (the cell bookkeeping runs under it), and sampling with streaming out. ``host_cpu_s`` is the worker
+    thread's CPU time in the three host phases: their wall time less it is time the worker waited (for the GIL
+    another thread held, or blocked)."""
+
+    busy_s: float = 0.0
+    admit_s: float = 0.0
+    fill_s: float = 0.0
+    decode_s: float = 0.0
+    sample_s: float = 0.0
+    host_cpu_s: float = 0.0
+
+    def add(self, t0: float, t_fill: float, t_decode: float, t_sample: float, t_end: float, host_cpu: float) -> None:
+        self.busy_s += t_end - t0
+        self.admit_s += t_fill - t0
+        self.fill_s += t_decode - t_fill
+        self.decode_s += t_sample - t_decode
+        self.sample_s += t_end - t_sample
+        self.host_cpu_s += host_cpu
 
 
 @dataclass
@@ -115,7 +142,7 @@ class Engine:
         self._steps = self._prefilled = self._reused = self._decoded = self._relayouts = 0
         self._switch_to: bool | None = None  # the layout (shared?) the worker recreates the context in next
         self._idle_since: float | None = None  # when the worker last found nothing to decode (None: busy)
-        self._busy_s = self._decode_s = 0.0
+        self._clock = _StepClock()
         self._thread = threading.Thread(target=self._run, name=f"kvrt-engine-{model.path.stem}", daemon=True)
         self._thread.start()
 
@@ -164,10 +191,14 @@ class Engine:
         with self._lock:
             queued = len(self._queue)
         cache = self.cache
-        return EngineStats(self._steps, self._prefilled, self._reused, cache.restored_tokens, self._decoded,
-                           self._busy_s, self._decode_s, queued, len(self._live), cache.used_cells, cache.n_cells,
-                           tuple(cache.describe()), "unified" if cache.shared else "split", cache.slot_cells,
-                           self._relayouts)
+        clock = self._clock
+        return EngineStats(
+            steps=self._steps, prefilled_tokens=self._prefilled, reused_tokens=self._reused,
+            restored_tokens=cache.restored_tokens, decoded_tokens=self._decoded, busy_s=clock.busy_s,
+            decode_s=clock.decode_s, admit_s=clock.admit_s, fill_s=clock.fill_s, sample_s=clock.sample_s,
+            host_cpu_s=clock.host_cpu_s, queued=queued, active=len(self._live), used_cells=cache.used_cells,
+            n_cells=cache.n_cells, slots=tuple(cache.describe()), kv_layout="unified" if cache.shared else "split",
+            slot_cells=cache.slot_cells, relayouts=self._relayouts)
 
     def close(self) -> None:
         """Stop the worker; waiting and running requests end with :class:`EngineClosed`."""
@@ -234,26 +265,30 @@ class Engine:
 
     def step(self) -> bool:
         """One turn of the loop (on the worker thread); False when there was nothing to decode."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         if self.before_step is not None:
             self.before_step()
         self._run_commands()
         self._reap(time.monotonic())
         self._admit()
+        t_fill = time.perf_counter()
         rows = self._fill()
         if not rows:
             self._idle_since = self._idle_since or time.monotonic()
             self._split_when_idle(time.monotonic() - self._idle_since)
             return False
         self._idle_since = None
-        t_decode = time.perf_counter()
+        t_decode, cpu_decode = time.perf_counter(), time.thread_time()
+        t_sample = cpu_sample = None
         if self._decode(rows):
             self._steps += 1
             self._advance(rows)  # cell bookkeeping, under the compute where llama_decode returns early (GPU)
             self.ctx.synchronize()  # the outputs are read next anyway: the wait is the decode's
-            self._decode_s += time.perf_counter() - t_decode
+            t_sample, cpu_sample = time.perf_counter(), time.thread_time()
             self._sample(rows)
-        self._busy_s += time.perf_counter() - t0
+        t_end = time.perf_counter()
+        self._clock.add(t0, t_fill, t_decode, t_sample or t_end, t_end,
+                        cpu_decode - cpu0 + (time.thread_time() - cpu_sample if cpu_sample is not None else 0.0))
         return True
 
     def _run_commands(self) -> None:
@@ -404,9 +439,14 @@ class Engine:
     # -- the KV layout (auto) ------------------------------------------------------------
     def _layout_fits(self, pending: Pending) -> bool:
         """Whether the head of the queue may be placed in the current layout; under ``auto`` the context turns
-        unified for a request that needs more than a slot's share once nothing runs (False: wait till then).
+        unified for a request that needs more than a slot's share once nothing runs (False: wait till then), and
+        split for one that fits a slot and gains little from the pool's cache, when nothing runs (see
+        :meth:`_split_now`).
         Raises :class:`RequestTooLarge` when pinned prefixes hold the split layout such a request cannot use."""
         request = pending.stream.request
+        if self.cache.shared and self._split_now(request):
+            self._switch_to = False
+            return False
         if self.cache.shared or fits_a_slot(request, self.cache):
             return True
         if self.cache.pinned:
@@ -420,11 +460,25 @@ class Engine:
     def _split_when_idle(self, idle_s: float) -> None:
         """Under ``auto``, a unified context idle for ``split_after_idle_s`` becomes split again when nothing it
         caches needs more."""
-        if (self.config.kv_layout != "auto" or not self.cache.shared or not self.config.split_cells
-                or self._live or self.cache.pinned or self._queue or idle_s < self.config.split_after_idle_s):
-            return
-        if all(self.cache.held(slot) <= self.config.split_cells for slot in range(self.cache.n_slots)):
+        if (not self._queue and idle_s >= self.config.split_after_idle_s and self._may_split()
+                and all(self.cache.held(slot) <= self.config.split_cells for slot in range(self.cache.n_slots))):
             self._switch_to = False
+
+    def _split_now(self, request: Request) -> bool:
+        """Under ``auto``, whether a unified context with nothing running should turn split for ``request`` at the
+        head of the queue: it fits a slot's stream and the pool's cache holds less than half of its prompt. What
+        the pool caches is dropped by the switch (a conversation longer than a slot's stream turns it unified
+        again if it returns); an agent's next turn, which finds its history, keeps the pool."""
+        if len(request.prompt) + request.params.max_tokens > self.config.split_cells or not self._may_split():
+            return False
+        kept = max(self.cache.longest_prefix(request.prompt_array)[1],
+                   self.cache.host_prefix(request.prompt_array)[1])
+        return 2 * kept < len(request.prompt)
+
+    def _may_split(self) -> bool:
+        """Whether ``auto`` may recreate the unified context split now: nothing runs or is pinned."""
+        return (self.config.kv_layout == "auto" and self.cache.shared and self.config.split_cells > 0
+                and not self._live and not self.cache.pinned)
 
     def _switch(self, shared: bool) -> None:
         """The worker recreates the context in the layout asked for. If that fails, the request that needed the

@@ -266,8 +266,12 @@ class EngineStats:
     reused_tokens: int  # prompt tokens taken from the prefix cache instead
     restored_tokens: int  # of which restored from host copies of evicted slots (EngineConfig.host_bytes)
     decoded_tokens: int  # sampled tokens decoded
-    busy_s: float  # wall time of the steps that decoded a batch
-    decode_s: float  # of which from llama_decode's call until its outputs were ready (bookkeeping runs under it)
+    busy_s: float  # wall time of the steps that decoded a batch, of which:
+    decode_s: float  # from llama_decode's call until its outputs were ready (bookkeeping runs under it)
+    admit_s: float  # commands, deadlines and admission of waiting requests
+    fill_s: float  # filling the batch
+    sample_s: float  # sampling and streaming the tokens out
+    host_cpu_s: float  # the worker's CPU time in admit, fill and sample: the rest of their time it waited (GIL)
     queued: int
     active: int
     used_cells: int
