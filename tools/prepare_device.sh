@@ -6,7 +6,8 @@
 #     like, keeping tools/ (server, batched-bench, ui and the tools/CMakeLists.txt that adds them all)
 #     and scripts/*.cmake (ui-assets.cmake); about 10 MB;
 #   - wheels of the Python packages kvrt needs that the GPU machine's image lacks (the serve extra's too,
-#     prometheus-client included, for `kvrt serve --http` in `kvrt bench peer`).
+#     prometheus-client included, for `kvrt serve --http` in `kvrt bench peer`), and py-spy (a sampling
+#     profiler, for 80-peer's PEER_PROFILE_S).
 # Then run tools/device_run.sh there with .gpu-carry carried along.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +37,7 @@ platforms+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 serve=("fastapi==0.165.0" "starlette==1.10.0" "pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types"
        "annotated-doc" "typing-inspection" "typing-extensions>=4.16" "uvicorn==0.55.0" "opentelemetry-api" "h11"
        "click" "anyio" "idna" "sniffio" "prometheus-client")
-for req in "cffi>=1.16" "pycparser" "gguf==0.19.0" "diskcache==5.6.3" "${serve[@]}"; do
+for req in "cffi>=1.16" "pycparser" "gguf==0.19.0" "diskcache==5.6.3" "${serve[@]}" "py-spy"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY" --implementation cp \
     "${platforms[@]}" --platform any -d "$carry/wheels" "$req"
 done

@@ -109,18 +109,46 @@ OPEN_PATHS = frozenset({"/health"})  # answered without the API key (a load bala
 _T = TypeVar("_T")
 
 
+class _Waker:
+    """Sets asyncio events of one loop from the engine's thread, waking the loop once for all the events due
+    since its last wake: a step that streams a token to each of N requests costs one wake-up of the loop (one
+    write to its self-pipe), not N.
+
+    Invariant: a wake is scheduled whenever ``_due`` is not empty (the first event added schedules it; the wake
+    empties the list under the lock before setting the events).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._due: list[asyncio.Event] = []
+
+    def set_soon(self, flag: asyncio.Event) -> None:
+        with self._lock:
+            self._due.append(flag)
+            if len(self._due) > 1:  # a wake is already scheduled
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the loop is closed: nobody listens any more
+            pass
+
+    def _wake(self) -> None:
+        with self._lock:
+            due, self._due = self._due, []
+        for flag in due:
+            flag.set()
+
+
 class _Bridge:
     """Wakes one asyncio task from the engine's thread whenever its request has new events."""
 
-    def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
+    def __init__(self, waker: _Waker) -> None:
+        self._waker = waker
         self._flag = asyncio.Event()
 
     def notify(self) -> None:
-        try:
-            self._loop.call_soon_threadsafe(self._flag.set)
-        except RuntimeError:  # the loop is closed: nobody listens any more
-            pass
+        self._waker.set_soon(self._flag)
 
     async def events(self, stream: RequestStream) -> AsyncIterator[Event]:
         while True:
@@ -227,6 +255,7 @@ class OpenAIServer:
         self._api_key = api_key
         self._tokenizer = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvrt-tokenize")
         self.engines = dict(engines)
+        self._loop_waker: _Waker | None = None
         self._pieces = {name: self._tokenizer.submit(longest_piece, engine.model)  # model name -> its longest
                         for name, engine in self.engines.items()}                  # token's bytes (a vocab pass)
         self.default_max_tokens = default_max_tokens
@@ -352,7 +381,7 @@ class OpenAIServer:
                                       if body.prompt is not None
                                       else chat_prompt(engine.model, body.messages or [], generation=False,
                                                        limit=limit))
-        bridge = _Bridge()
+        bridge = _Bridge(self._waker())
         stream = self._submit(engine, lambda: engine.pin(tokens, notify=bridge.notify), None)
         result = await self._collect(request, stream, bridge)
         pin_id = f"pin-{uuid.uuid4().hex}"
@@ -385,6 +414,13 @@ class OpenAIServer:
         return {"content": await self._off_loop(lambda: pieces_text(model, body.tokens))}
 
     # -- the shared path ------------------------------------------------------------------
+    def _waker(self) -> _Waker:
+        """The waker of the running loop (one per loop, made on first use)."""
+        loop = asyncio.get_running_loop()
+        if self._loop_waker is None or self._loop_waker.loop is not loop:
+            self._loop_waker = _Waker(loop)
+        return self._loop_waker
+
     async def _off_loop(self, fn: Callable[[], _T]) -> _T:
         """``fn()`` on the tokenizer threads (tokenizing and chat templates never run on the event loop)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer, fn)
@@ -448,7 +484,7 @@ class OpenAIServer:
             raise ApiError(400, str(exc)) from None
         record: RequestRecord = request.state.kvrt
         record.model = body.model
-        bridge = _Bridge()
+        bridge = _Bridge(self._waker())
         stream = self._submit(engine, lambda: engine.submit(job, notify=bridge.notify), job)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         shaper = Shaper(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), body.model, engine.model, job.n,

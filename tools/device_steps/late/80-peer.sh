@@ -10,6 +10,8 @@
 # keeps the earlier ones' results; llama-server skips a workload whose agents' histories do not fit its slots'
 # share of the cells (cells / N a slot: fanout from N = 20 on, swarm from N = 35, private from N = 39).
 # Budget: ~PEER_N_TIMEOUT_S per N; give the step STEP_TIMEOUT to match (e.g. ONLY_STEP=80-peer STEP_TIMEOUT=560).
+# PEER_PROFILE_S=60: py-spy (carried as a wheel by tools/prepare_device.sh) samples kvrt's server of each N for that
+# long, every thread, raw stacks in n<N>/pyspy-kvrt.txt (the kvrt arm runs first).
 # PEER_ARGS: more options (e.g. "--kv-unified", '--kvrt-args "--kv-layout auto"', "--rounds 2").
 # PEER_LAYOUTS="unified split": then kvrt alone again at N = PEER_LAYOUT_N (default 32) with each --kv-layout forced,
 # for the choice of layout (DEVELOPING.md); written to $RESULTS/peer/n<N>-<layout>/.
@@ -25,8 +27,17 @@ export PYTHONUNBUFFERED=1
 [ -f "$QWEN" ] || { echo "missing $QWEN"; exit 1; }
 [ -x "$SERVER" ] || { echo "missing $SERVER (tools/device_run.sh builds it)"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
+profile_kvrt() {  # PEER_PROFILE_S: sample the kvrt server of this N with py-spy (if carried) for its whole life
+  local out=$1 pid="" i
+  for i in $(seq 600); do pid=$(pgrep -f "kvrt.cli serve --http" | head -1); [ -n "$pid" ] && break; sleep 0.1; done
+  [ -n "$pid" ] && py-spy record --pid "$pid" --threads --idle --nonblocking -r 100 -f raw -o "$out" \
+    --duration "$PEER_PROFILE_S" > "$out.log" 2>&1
+}
 for n in ${PEER_AGENTS:-8 32 64}; do
   t=$SECONDS
+  if [ -n "${PEER_PROFILE_S:-}" ] && command -v py-spy > /dev/null; then
+    mkdir -p "$OUT_DIR/n$n"; profile_kvrt "$OUT_DIR/n$n/pyspy-kvrt.txt" &
+  fi
   # shellcheck disable=SC2086  # PEER_ARGS is a list of options
   eval timeout "${PEER_N_TIMEOUT_S:-240}" python3 -m kvrt.cli bench peer --out "$OUT_DIR/n$n" --preset h200 \
     --model "$QWEN" --agents "$n" --llama-server "$SERVER" ${PEER_ARGS:-} > "$OUT_DIR/peer-n$n.log" 2>&1

@@ -1,0 +1,55 @@
+"""The HTTP front's waker: the engine's thread sets asyncio events of the server's loop, one loop wake-up for all
+the events due since the last one (a step streams a token to every running request)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+pytest.importorskip("fastapi")
+
+from kvrt.serve.openai_server import _Waker  # noqa: E402
+
+
+def test_events_set_from_another_thread_wake_the_loop_once_and_are_all_set():
+    loop = asyncio.new_event_loop()
+    try:
+        scheduled = []
+        original = loop.call_soon_threadsafe
+
+        def counting(callback, *args):  # type: ignore[no-untyped-def]
+            scheduled.append(callback)
+            return original(callback, *args)
+
+        loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+        waker = _Waker(loop)
+        flags = [asyncio.Event() for _ in range(40)]
+        setter = threading.Thread(target=lambda: [waker.set_soon(flag) for flag in flags])
+        setter.start()
+        setter.join()  # the loop is not running: everything due waits for one wake
+        assert len(scheduled) == 1 and not any(flag.is_set() for flag in flags)
+        loop.run_until_complete(asyncio.sleep(0))
+        assert all(flag.is_set() for flag in flags)
+        waker.set_soon(flags[0])  # after a wake, the next event schedules a new one
+        assert len(scheduled) == 2
+    finally:
+        loop.close()
+    waker.set_soon(asyncio.Event())  # a closed loop: nobody listens, nothing raises
+
+
+def test_many_threads_setting_events_while_the_loop_runs_lose_none():
+    async def main() -> list[asyncio.Event]:
+        waker = _Waker(asyncio.get_running_loop())
+        flags = [asyncio.Event() for _ in range(400)]
+        threads = [threading.Thread(target=lambda part=flags[i::4]: [waker.set_soon(f) for f in part])
+                   for i in range(4)]
+        for thread in threads:
+            thread.start()
+        await asyncio.wait_for(asyncio.gather(*(flag.wait() for flag in flags)), 30)
+        for thread in threads:
+            thread.join()
+        return flags
+
+    assert all(flag.is_set() for flag in asyncio.run(main()))
