@@ -8,7 +8,10 @@ SIGTERM or Ctrl-C shuts down cleanly and within ``--shutdown-timeout-s``: the ru
 request finishes, queued ones get ``ERR SHUTTING_DOWN``, agents are saved (with
 ``--state-dir``), the socket file is removed, exit status 0. A request still running at
 the timeout is abandoned (exit status 1); a second signal during shutdown exits at once
-(status 1). With ``--state-dir`` a restarted daemon brings every saved agent back.
+(status 1). With ``--state-dir`` every agent is saved as each of its turns completes and a
+restarted daemon brings every saved agent back, after a crash too; an agent whose state
+could not be saved (a full or read-only state dir) is named in the log and the exit
+status is 1.
 HTTP: see :mod:`kvrt.commands._http`; SIGTERM or Ctrl-C stops accepting, ends open requests
 (streams get a final error event and ``[DONE]``), closes the engines and exits 0, within
 ``--shutdown-timeout-s`` (else exit status 1); a second signal exits at once (status 1).
@@ -163,7 +166,13 @@ def _run_socket(args: argparse.Namespace) -> int:
         _exit_now(1)  # a request is still inside llama.cpp: freeing models or tearing down Python under it could crash
     scheduler.registry.close()
     ledger.close()
-    return 0
+    unsaved = scheduler.store.unsaved if scheduler.store is not None else {}
+    for agent, reason in sorted(unsaved.items()):
+        log.error("agent %r is not saved: %s", agent, reason)
+    if unsaved:
+        log.error("stopped with %d agent(s) whose state is not saved in %s (exit status 1): a restart loses or "
+                  "rolls them back", len(unsaved), args.state_dir)
+    return 1 if unsaved else 0
 
 
 class _Signals:

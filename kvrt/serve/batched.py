@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvrt.accounting.estimate import context_estimate
@@ -47,7 +47,7 @@ from kvrt.engine.generation import GenerationParams
 from kvrt.engine.requests import ChoiceEnd, EngineStats, Request, RequestEnd, RequestStream, TokenEvent
 from kvrt.engine.sampling import SamplingParams
 from kvrt.serve.agent import ContextPolicy
-from kvrt.serve.batched_store import restore_all, save_all
+from kvrt.serve.batched_store import forget, restore_all, save
 from kvrt.serve.registry import LoadedModel, ModelRegistry
 from kvrt.serve.results import (
     AgentExists,
@@ -63,7 +63,7 @@ from kvrt.serve.results import (
     ended_early,
 )
 from kvrt.serve.service import HISTORY, AgentService, TextFn
-from kvrt.state.agentstore import AgentStore, StateProblem
+from kvrt.state.agentstore import AgentStore, AgentStoreError, StateProblem
 from kvrt.state.hostpool import HostPool
 
 log = logging.getLogger("kvrt.serve.batched")
@@ -124,6 +124,9 @@ class _Agent:
     running: _Turn | None = None
     served_tokens: int = 0
     requests: int = 0
+    version: int = 0  # bumped (under the scheduler's lock) whenever what a save writes changes
+    saved_version: int = -1  # the version the state dir holds (kvrt.serve.batched_store)
+    save_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class BatchedScheduler(AgentService[_Agent]):
@@ -150,7 +153,17 @@ class BatchedScheduler(AgentService[_Agent]):
     # -- agents -------------------------------------------------------------------------
     def register(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int = 4096, *,
                  policy: str = "refuse", min_ctx: int | None = None, keep: int | None = None) -> Registered:
-        """Admit an agent; the model's first agent loads it and charges its shared context to the ledger."""
+        """Admit an agent; the model's first agent loads it and charges its shared context to the ledger.
+
+        With a state dir the agent is saved before this returns; when that fails it is removed
+        again and :class:`kvrt.state.agentstore.AgentStoreError` raised."""
+        registered = self._register(agent_id, model_path, n_ctx, policy=policy, min_ctx=min_ctx, keep=keep)
+        self._saved_or_removed(self._agents[agent_id])
+        return registered
+
+    def _register(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int, *, policy: str,
+                  min_ctx: int | None, keep: int | None) -> Registered:
+        """:meth:`register` without the save (a restore registers an agent the directory holds)."""
         check_agent_id(agent_id)
         rules = ContextPolicy(policy, n_ctx, min_ctx, keep)
         if n_ctx > self.config.n_ctx:
@@ -193,8 +206,13 @@ class BatchedScheduler(AgentService[_Agent]):
         with self._lock:
             agent = self._agent(agent_id)
             del self._agents[agent_id]
-        if self.store is not None:
-            self.store.remove(agent_id)
+        try:
+            forget(self, agent)
+        finally:
+            self._release(agent)
+
+    def _release(self, agent: _Agent) -> None:
+        """End what an agent no longer registered had running and queued; free its model when it was the last."""
         self._cancel(agent)
         with self._lock:
             agent.pool.agents -= 1
@@ -218,9 +236,21 @@ class BatchedScheduler(AgentService[_Agent]):
             if agent_id in self._agents:
                 raise AgentExists(f"agent {agent_id!r} is already registered")
             source.pool.agents += 1
-            self._agents[agent_id] = _Agent(agent_id, source.pool, source.policy, list(source.transcript),
-                                            source.keep, served_tokens=source.served_tokens)
-        return Forked(agent_id, source_id, len(source.transcript))
+            agent = self._agents[agent_id] = _Agent(agent_id, source.pool, source.policy, list(source.transcript),
+                                                    source.keep, served_tokens=source.served_tokens)
+        self._saved_or_removed(agent)
+        return Forked(agent_id, source_id, len(agent.transcript))
+
+    def _saved_or_removed(self, agent: _Agent) -> None:
+        """Save a just-admitted agent; when that fails, remove it again and raise why (never OK while unsaved)."""
+        error = save(self, agent)
+        if error is not None:
+            with self._lock:
+                del self._agents[agent.agent_id]
+            self._release(agent)
+            assert self.store is not None
+            self.store.refused(agent.agent_id)
+            raise AgentStoreError(error)
 
     def transcript(self, agent_id: str) -> list[int]:
         with self._lock:
@@ -299,6 +329,7 @@ class BatchedScheduler(AgentService[_Agent]):
         if room is not None:
             keep, drop = room
             del agent.transcript[keep:keep + drop]
+            agent.version += 1
         deadline = turn.deadline
         return Request(agent.transcript + turn.tokens, turn.params, deadline=deadline)
 
@@ -336,6 +367,7 @@ class BatchedScheduler(AgentService[_Agent]):
             agent.running = None
             if end.error is None and choice is not None:
                 agent.transcript += turn.tokens + sampled
+                agent.version += 1
                 agent.served_tokens += len(turn.tokens) + len(choice.tokens)
                 agent.requests += 1
                 self._history.append(metrics)
@@ -346,8 +378,8 @@ class BatchedScheduler(AgentService[_Agent]):
                 threading.Thread(target=self._close_pool, args=(agent.pool,), daemon=True).start()
         if end.error is not None or choice is None:
             turn.future.set_exception(end.error or SchedulerClosed("the turn ended without a result"))
-        else:
-            turn.future.set_result(result)
+        else:  # saved before the result is handed out: a crash after it loses nothing
+            turn.future.set_result(replace(result, unsaved=save(self, agent)))
         self._drain(agent, started)
 
     # -- views and shutdown ---------------------------------------------------------------
@@ -386,8 +418,8 @@ class BatchedScheduler(AgentService[_Agent]):
                 agent.queue.clear()
             for turn in turns:
                 turn.future.set_exception(SchedulerClosed("the scheduler shut down before this request ran"))
-        if self.store is not None:
-            save_all(self, agents)
+        for agent in agents:
+            save(self, agent)  # what changed and was not saved yet (a failed save is retried)
         with self._lock:
             pools = list(self._pools.values())
             self._pools.clear()

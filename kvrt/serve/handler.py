@@ -86,15 +86,18 @@ class Handler:
         return lines
 
     def _state_lines(self) -> list[str]:
-        """Where agents' state is saved, how many were restored at start, and each one skipped and why."""
+        """Where agents' state is saved, how many were restored at start, each one skipped and why, and each
+        agent whose current state is not saved (a restart would lose or roll it back) and why."""
         store = self.scheduler.store
         if store is None:
             return []
         problems = self.scheduler.state_problems
+        unsaved = dict(store.unsaved)
         return [ok_line(state_dir=str(store.directory), state_restored=self.scheduler.state_restored,
-                        state_skipped=len(problems)),
+                        state_skipped=len(problems), state_unsaved=len(unsaved)),
                 *(ok_line(state_skipped_agent=p.agent_id, state_skipped_file=p.file, reason=p.reason)
-                  for p in problems)]
+                  for p in problems),
+                *(ok_line(state_unsaved_agent=agent, reason=reason) for agent, reason in sorted(unsaved.items()))]
 
     def _list(self) -> list[str]:
         agents = self.scheduler.agents()
@@ -140,8 +143,15 @@ class Handler:
             ok_line(kv_swap_evicted=",".join(result.evicted) or "none", kv_swap_restored=result.restored,
                     swap_out_bytes=m.swap_out_bytes, swap_out_ms=m.swap_out_ms,
                     swap_in_bytes=m.swap_in_bytes, swap_in_ms=m.swap_in_ms),
+            *self._saved_line(result.unsaved),
             *response_block(result.text),
         ]
+
+    def _saved_line(self, unsaved: str | None) -> list[str]:
+        """With a state dir, whether the agent's state after the turn was saved (``state_error``: why not)."""
+        if self.scheduler.store is None:
+            return []
+        return [ok_line(state_saved=unsaved is None, **({"state_error": unsaved} if unsaved else {}))]
 
     def _metrics(self, agent_id: str | None = None) -> list[str]:
         stats = self.scheduler.metrics(agent_id)

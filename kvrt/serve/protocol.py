@@ -29,6 +29,7 @@ from kvrt.accounting.ledger import LedgerDenied
 from kvrt.engine.requests import EngineClosed
 from kvrt.errors import ContextError, InvalidArgument, KvrtError, ModelLoadError
 from kvrt.serve.results import SchedulerError
+from kvrt.state.agentstore import AgentStoreError
 
 SCHEMA = "kvrt-daemon/1"
 MAX_LINE = 1 << 20  # bytes of one request line, its newline included
@@ -290,6 +291,8 @@ def error_reply(exc: BaseException) -> str:
         return error_line("MODEL_LOAD", str(exc))
     if isinstance(exc, ContextError):
         return error_line("CONTEXT", str(exc))
+    if isinstance(exc, AgentStoreError):
+        return error_line("STATE_NOT_SAVED", str(exc))
     if isinstance(exc, KvrtError):
         return error_line("FAILED", str(exc))
     return error_line("INTERNAL", f"{type(exc).__name__}: {exc}")

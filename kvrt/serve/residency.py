@@ -94,7 +94,6 @@ class Residency:
         kv = agent.kv
         if kv.live is not None:
             return
-        agent.persisted = False  # it is about to change: the saved state stops being current
         if self.prefetcher is not None and self.prefetcher.take(agent, switch):
             return
         while kv.live is None:

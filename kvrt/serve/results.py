@@ -86,7 +86,11 @@ class RequestMetrics:
 
 @dataclass(frozen=True)
 class DecodeResult:
-    """A finished request: its text and what switching to its agent cost."""
+    """A finished request: its text and what switching to its agent cost.
+
+    ``unsaved``: why the agent's state after this turn could not be saved to the state dir
+    (a restart would lose the turn), or None: saved, or no state dir.
+    """
 
     agent_id: str
     text: str
@@ -95,6 +99,7 @@ class DecodeResult:
     evicted: tuple[str, ...]
     restored: bool
     metrics: RequestMetrics
+    unsaved: str | None = None
 
 
 def ended_early(agent_id: str, reason: str, waited_ms: float) -> DecodeResult:

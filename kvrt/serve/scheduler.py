@@ -59,7 +59,7 @@ from kvrt.serve.results import (
     ended_early,
 )
 from kvrt.serve.service import HISTORY, AgentService, TextFn
-from kvrt.serve.statedir import persist, restore_all
+from kvrt.serve.statedir import persist, persist_new, restore_all
 from kvrt.serve.turn import Turn
 from kvrt.state.agentstore import AgentStore, StateProblem
 from kvrt.state.hostpool import HostPool
@@ -132,7 +132,7 @@ class Scheduler(AgentService[Agent]):
     def fork(self, source_id: str, agent_id: str) -> Forked:
         """A new agent that starts from a copy of ``source_id``'s history (same model, size and policy)."""
         check_agent_id(agent_id)
-        return self._call(lambda: fork(self, source_id, agent_id))
+        return self._call(lambda: self._fork(source_id, agent_id))
 
     def submit(self, agent_id: str, prompt: str | Sequence[int], n_tokens: int, *,
                sampling: SamplingParams | None = None, stop: Sequence[str] = (), deadline: float | None = None,
@@ -295,6 +295,7 @@ class Scheduler(AgentService[Agent]):
                                    error=InvalidArgument)
             agent.resolve_keep(len(prompt))
             plan = agent.plan(len(prompt), turn.params.max_tokens)
+            agent.persisted = False  # from here on the turn changes the agent's state (it is saved after it)
             self.residency.prepare(agent, plan.size, switch)
             assert agent.context is not None
             if plan.drop:
@@ -315,14 +316,15 @@ class Scheduler(AgentService[Agent]):
                 with self._cond:
                     self._running = None
         except BaseException as exc:
+            persist(self, agent)  # what a failed turn changed (a shift) is kept, and saved, like a turn's
             turn.future.set_exception(exc)
             return
         finally:
             agent.last_used = next(self._clock)
-        agent.persisted = False
         agent.transcript += prompt + completion.sampled
         agent.kv_tokens = len(agent.transcript) - 1  # generate leaves the last sampled token undecoded
         agent.check()
+        unsaved = persist(self, agent)  # before the result is handed out: a crash after it loses nothing
         done = time.perf_counter()
         timings = completion.timings_ms
         metrics = RequestMetrics(
@@ -339,7 +341,7 @@ class Scheduler(AgentService[Agent]):
             self._history.append(metrics)
         turn.future.set_result(DecodeResult(agent.agent_id, completion.text, completion.tokens,
                                             completion.finish_reason, tuple(switch.evicted), switch.restored,
-                                            metrics))
+                                            metrics, unsaved))
 
     def _stage_next(self, running: Agent, prompt: int) -> None:
         """Prefetch the agent whose turn comes after ``running``'s (whose served count rises by at least ``prompt``)."""
@@ -355,11 +357,16 @@ class Scheduler(AgentService[Agent]):
     # -- activation, growth and swap ----------------------------------------------------------
     def _register(self, agent_id: str, model_path: str | os.PathLike[str], policy: ContextPolicy) -> Registered:
         agent = admit(self, agent_id, model_path, policy, policy.first_ctx)
-        with self._cond:
-            self._agents[agent_id] = agent
+        self.add(agent)
+        persist_new(self, agent)
         entry = agent.entry
         return Registered(agent_id, entry.path.name, agent.n_ctx, policy.n_ctx, policy.mode,
                           entry.reservation.nbytes, agent.context_bytes, entry.estimate_source)
+
+    def _fork(self, source_id: str, agent_id: str) -> Forked:
+        forked = fork(self, source_id, agent_id)
+        persist_new(self, self._agents[agent_id])
+        return forked
 
     def add(self, agent: Agent) -> None:
         """Make an admitted agent schedulable (worker only)."""

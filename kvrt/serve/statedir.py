@@ -1,10 +1,13 @@
 """The scheduler's agents in a state directory (:mod:`kvrt.state.agentstore`): saved, and brought back.
 
-An agent's state is saved when it is swapped out and, for every agent, when the
-scheduler closes; a new scheduler on the same directory brings them back swapped out,
-and their next request continues from the saved KV and transcript exactly as if the
-process had never stopped. A saved agent that cannot be restored (damaged file, changed
-model, no room) is skipped and listed in :attr:`Scheduler.state_problems`.
+An agent is saved when it is registered or forked and after each of its turns, before
+the turn's result is handed out, so a crash (``kill -9``) loses at most the turns still
+running; a new scheduler on the same directory brings them back swapped out, and their
+next request continues from the saved KV and transcript exactly as if the process had
+never stopped. An agent whose state did not change is not written again (``persisted``).
+A saved agent that cannot be restored (damaged file, changed model, no room) is skipped
+and listed in :attr:`Scheduler.state_problems`; one whose save failed stays in
+:attr:`kvrt.state.agentstore.AgentStore.unsaved` until a later save succeeds.
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from kvrt.errors import KvrtError
 from kvrt.serve.agent import Agent, ContextPolicy
-from kvrt.serve.membership import admit
+from kvrt.serve.membership import admit, teardown
 from kvrt.serve.registry import LoadedModel
-from kvrt.serve.results import check_agent_id
-from kvrt.state.agentstore import AgentRecord, StateFileError, StateProblem
+from kvrt.serve.results import UnknownAgent, check_agent_id
+from kvrt.state.agentstore import AgentRecord, AgentStoreError, StateFileError, StateProblem
 
 if TYPE_CHECKING:
     from kvrt.serve.scheduler import Scheduler
@@ -27,11 +30,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvrt.serve.statedir")
 
 
-def persist(sched: Scheduler, agent: Agent) -> None:
-    """Save ``agent``'s current state unless the store already has it; a failure is logged, not raised."""
+def persist(sched: Scheduler, agent: Agent) -> str | None:
+    """Save ``agent``'s current state unless the store already has it (worker thread).
+
+    Returns why it could not be saved (the store logged it and keeps it in ``unsaved``), or None.
+    """
     store = sched.store
     if store is None or agent.persisted:
-        return
+        return None
     live = agent.snapshot is None and agent.context is not None
     try:
         snapshot = agent.kv.capture(agent.transcript[:agent.kv_tokens]) if live else agent.snapshot
@@ -43,10 +49,23 @@ def persist(sched: Scheduler, agent: Agent) -> None:
         finally:
             if live and snapshot is not None:
                 snapshot.release()
-    except (KvrtError, OSError) as exc:
-        log.warning("agent %r: state not saved to %s: %s", agent.agent_id, store.directory, exc)
-        return
+    except KvrtError as exc:
+        return str(exc)
     agent.persisted = True
+    return None
+
+
+def persist_new(sched: Scheduler, agent: Agent) -> None:
+    """Save a just-admitted agent (registered or forked); when that fails it is removed again and the
+    :class:`AgentStoreError` raised: an agent the state dir does not hold is never admitted with OK."""
+    error = persist(sched, agent)
+    if error is not None:
+        with sched._cond:
+            del sched._agents[agent.agent_id]
+        teardown(sched, agent, UnknownAgent(f"agent {agent.agent_id!r} could not be saved"))
+        assert sched.store is not None
+        sched.store.refused(agent.agent_id)
+        raise AgentStoreError(error)
 
 
 def restore_all(sched: Scheduler) -> None:
@@ -70,7 +89,11 @@ def restore_each(sched: AgentService[Any], restore: Callable[[AgentRecord], None
     for problem in problems:
         log.warning("saved agent %r not restored (%s): %s", problem.agent_id, problem.file, problem.reason)
     sched.state_problems = problems
-    log.info("restored %d agent(s) from %s, skipped %d", sched.state_restored, store.directory, len(problems))
+    if problems:
+        log.warning("restored %d agent(s) from %s; NOT restored: %d (%s)", sched.state_restored, store.directory,
+                    len(problems), ", ".join(sorted({p.agent_id for p in problems})))
+    else:
+        log.info("restored %d agent(s) from %s, every saved agent", sched.state_restored, store.directory)
 
 
 def record_policy(record: AgentRecord) -> ContextPolicy:

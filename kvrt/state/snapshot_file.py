@@ -3,7 +3,7 @@
 Layout: ``KVRTSNAP``, format version and header length (``<8sII``), the header (JSON of
 :class:`kvrt.state.snapshot_identity.SnapshotIdentity` plus ``nbytes``), the state
 bytes, and the BLAKE2b-128 digest of everything after the magic. Writes are atomic
-(temporary file, fsync, rename); a read checks every size before reading and returns
+(temporary file, fsync, rename, fsync of the directory); a read checks every size before reading and returns
 nothing partial: a truncated, extended or altered file is :class:`SnapshotCorrupt`.
 """
 
@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from kvrt._files import write_atomic
 from kvrt.engine.model import ModelFingerprint
 from kvrt.state.hostpool import HostBuffer, HostPool, HostPoolError
 from kvrt.state.snapshot_identity import SnapshotCorrupt, SnapshotError, SnapshotIdentity, StateLayout
@@ -37,26 +38,17 @@ MAX_HEADER = 1 << 20  # a real header is ~400 bytes; a longer length field is da
 
 
 def write_file(path: str | os.PathLike[str], identity: SnapshotIdentity, payload: np.ndarray) -> Path:
-    """Write ``identity`` and ``payload`` to ``path`` atomically; returns the path."""
+    """Write ``identity`` and ``payload`` to ``path`` atomically (:func:`kvrt._files.write_atomic`); returns the path."""
     target = as_path(path, "save a snapshot to")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        write_atomic(target, lambda fh: _write(fh, identity, payload))
     except OSError as exc:
         raise _save_error(target, exc) from exc
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            _write(fh, identity, payload)
-        os.replace(tmp, target)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise _save_error(target, exc) from exc
-        raise
     return target
 
 
 def _write(fh: BinaryIO, identity: SnapshotIdentity, payload: np.ndarray) -> None:
-    """Prefix, header, state bytes and the BLAKE2b digest of everything after the magic; fsynced."""
+    """Prefix, header, state bytes and the BLAKE2b digest of everything after the magic."""
     header = json.dumps({**asdict(identity), "nbytes": payload.nbytes}, sort_keys=True).encode()
     prefix = _PREFIX.pack(MAGIC, VERSION, len(header))
     body = payload.data
@@ -65,8 +57,14 @@ def _write(fh: BinaryIO, identity: SnapshotIdentity, payload: np.ndarray) -> Non
     digest.update(body)
     for part in (prefix, header, body, digest.digest()):
         fh.write(part)
-    fh.flush()
-    os.fsync(fh.fileno())
+
+
+def file_digest(path: Path) -> str:
+    """The checksum a snapshot file ends with (hex), read without reading the rest: what binds the file to a
+    record that names it (:mod:`kvrt.state.agentstore`). Its contents are verified when the file is read."""
+    with path.open("rb") as fh:
+        fh.seek(-_DIGEST, os.SEEK_END)
+        return fh.read(_DIGEST).hex()
 
 
 def read_file(path: str | os.PathLike[str], pool: HostPool, *,
