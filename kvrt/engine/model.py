@@ -9,7 +9,6 @@ before any state bytes reach llama.cpp.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import threading
 import weakref
@@ -20,21 +19,22 @@ from typing import TYPE_CHECKING, Any
 
 from kvrt._handle import NativeHandle, OwnsHandle
 from kvrt.bindings import capture, explain, ffi, lib
+from kvrt.engine.file_digest import FileDigest
 from kvrt.errors import KvrtError, ModelLoadError
 
 if TYPE_CHECKING:
     from kvrt.engine.context import Context
 
 GGUF_MAGIC = b"GGUF"
-_IDENTITY_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
 class ModelFingerprint:
     """Identity of a model file plus the architecture numbers that shape its KV state.
 
-    ``content`` hashes the file's size, first and last MiB: cheap, and it changes when
-    the file is replaced even if the path does not.
+    ``content`` is the digest of every byte of the file (:mod:`kvrt.engine.file_digest`:
+    hashed once per version of the file, on a thread started at load, and cached), so a
+    file changed anywhere, even at the same size and path, is another model.
     """
 
     content: str
@@ -51,17 +51,6 @@ class ModelFingerprint:
             if mine != theirs:
                 return f"{field} differs: {mine!r} != {theirs!r}"
         return None
-
-
-def _file_identity(path: Path) -> str:
-    size = path.stat().st_size
-    digest = hashlib.blake2b(str(size).encode(), digest_size=16)
-    with path.open("rb") as fh:
-        digest.update(fh.read(_IDENTITY_BYTES))
-        if size > _IDENTITY_BYTES:
-            fh.seek(max(size - _IDENTITY_BYTES, _IDENTITY_BYTES))
-            digest.update(fh.read(_IDENTITY_BYTES))
-    return digest.hexdigest()
 
 
 def _check_file(path: Path) -> None:
@@ -194,6 +183,7 @@ class Model(OwnsHandle):
         self._handle = NativeHandle(ptr, lib().llama_model_free, f"model {self.path.name}")
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
         self._fingerprint: ModelFingerprint | None = None
+        self._digest = FileDigest(self.path)
 
     @classmethod
     def from_llama_cpp(cls, llm: Any) -> Model:
@@ -205,6 +195,7 @@ class Model(OwnsHandle):
         self._handle = handle
         self._contexts = weakref.WeakSet()
         self._fingerprint = None
+        self._digest = FileDigest(self.path)
         return self
 
     # -- lifetime -------------------------------------------------------------------
@@ -289,7 +280,7 @@ class Model(OwnsHandle):
     def fingerprint(self) -> ModelFingerprint:
         if self._fingerprint is None:
             self._fingerprint = ModelFingerprint(
-                content=_file_identity(self.path),
+                content=self._digest.result(),
                 description=self.description,
                 n_layer=self.n_layer,
                 n_embd=self.n_embd,
