@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from _process_watch import Watch
+
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.modelfiles.testmodels import write_model
 from kvrt.serve.client import Client, ConnectionLost, DaemonReplyError
@@ -215,24 +217,6 @@ def client_loop(index: int, path: Path, model: Path, until: float, seed: int, ta
         client.close()
 
 
-def rss_bytes(pid: int) -> int | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def sample_rss(pid: int, stop: threading.Event, samples: list[tuple[float, int]]) -> None:
-    start = time.monotonic()
-    while not stop.wait(1.0):
-        value = rss_bytes(pid)
-        if value is not None:
-            samples.append((time.monotonic() - start, value))
-
-
 def start_daemon(sock: Path, model: Path, state: Path, log: Path) -> subprocess.Popen[str]:
     shape = ModelShape.read(model)
     capacity = shape.weight_bytes(on_gpu=False) + LIVE_CONTEXTS * context_estimate(shape, max(N_CTX_CHOICES)).total_bytes
@@ -288,9 +272,7 @@ def main() -> int:
     model = write_model(work / "soak-tiny.gguf", "tiny", seed=0)
     sock, state, log = work / "kvrt.sock", work / "state", work / "serve.log"
     proc = start_daemon(sock, model, state, log)
-    tally, samples, stop = Tally(), [], threading.Event()
-    sampler = threading.Thread(target=sample_rss, args=(proc.pid, stop, samples), daemon=True)
-    sampler.start()
+    tally, watch = Tally(), Watch(proc.pid).start()
     print(f"soak: {args.clients} clients for {args.duration_s:g} s against pid {proc.pid} ({work})", flush=True)
     until = time.monotonic() + args.duration_s
     started = time.monotonic()
@@ -301,22 +283,15 @@ def main() -> int:
     for t in threads:
         t.join()
     elapsed = time.monotonic() - started
-    stop.set()
+    watch.stop()
     before = agents_held(sock)
     first = terminate(proc, sock)
     restart = restart_check(sock, model, state, log, before)
-    rss = [value for _, value in samples]
-    half = len(rss) // 2
-    first_half_max = max(rss[:half], default=0)
-    last_half_max = max(rss[half:], default=0)
     summary = {
         "clients": args.clients, "duration_s": round(elapsed, 1), "requests": sum(tally.served.values()),
         "served_by_kind": dict(tally.served), "expected_errors": dict(tally.expected_errors),
         "violations": dict(tally.violations), "violation_samples": tally.samples,
-        "rss_mib": {"min": round(min(rss, default=0) / 2**20, 1), "max": round(max(rss, default=0) / 2**20, 1),
-                    "first_half_max": round(first_half_max / 2**20, 1),
-                    "last_half_max": round(last_half_max / 2**20, 1), "samples": len(rss)},
-        "rss_bounded": last_half_max <= first_half_max * 1.25 + (32 << 20),
+        **watch.summary(),
         "shutdown": first, "restart": restart, "log": str(log),
     }
     ok = (not tally.violations and summary["rss_bounded"] and first["exit_status"] == 0 and first["socket_removed"]
