@@ -28,7 +28,7 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(target: Path, write: Callable[[BinaryIO], None]) -> None:
+def write_atomic(target: Path, write: Callable[[BinaryIO], object]) -> None:
     """Replace ``target`` with what ``write`` writes to a file object (see the module docstring).
 
     Any exception (an ``OSError`` from the file system included) leaves ``target`` as it

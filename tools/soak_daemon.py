@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _process_watch import Watch
+from _soak import Watch, report, run_clients
 
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.modelfiles.testmodels import write_model
@@ -274,15 +274,8 @@ def main() -> int:
     proc = start_daemon(sock, model, state, log)
     tally, watch = Tally(), Watch(proc.pid).start()
     print(f"soak: {args.clients} clients for {args.duration_s:g} s against pid {proc.pid} ({work})", flush=True)
-    until = time.monotonic() + args.duration_s
-    started = time.monotonic()
-    threads = [threading.Thread(target=client_loop, args=(i, sock, model, until, args.seed, tally))
-               for i in range(args.clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.monotonic() - started
+    elapsed = run_clients(lambda i, until: client_loop(i, sock, model, until, args.seed, tally), args.clients,
+                          args.duration_s)
     watch.stop()
     before = agents_held(sock)
     first = terminate(proc, sock)
@@ -297,12 +290,7 @@ def main() -> int:
     ok = (not tally.violations and summary["rss_bounded"] and first["exit_status"] == 0 and first["socket_removed"]
           and restart["same_tokens_held"] and restart["all_swapped"] and restart["state_skipped"] == "0"
           and restart["shutdown"]["exit_status"] == 0)  # type: ignore[index]
-    summary["ok"] = ok
-    text = json.dumps(summary, indent=2, ensure_ascii=False)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0 if ok else 1
+    return report(summary, ok, args.out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ names what was wrong. The server's RSS and open file descriptors are sampled eac
 At the end, with ``--final-streams`` long streams still running, SIGTERM: the server must
 exit 0 within ``--shutdown-timeout-s``, and each open stream must end (a final event and
 ``[DONE]``, or a closed connection), none hang. Prints a JSON summary (exit status 1 when a
-check failed).
+check failed); the server's log, one line per request (``kvrt -v``), is named in it.
 """
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from _process_watch import Watch
+from _soak import Watch, report, run_clients
+
+from kvrt.modelfiles.demo_model import demo_model_path
+from kvrt.serve.results import percentiles
 
 CLIENT_TIMEOUT_S = 120.0
 FINAL_TOKENS = 400  # a final stream's length: within one slot's share of the default --n-ctx / --slots (512 cells)
@@ -59,6 +62,7 @@ class Tally:
     """Counts shared by the client threads (one lock; a sample of each kind of failure kept)."""
 
     counts: Counter[str] = field(default_factory=Counter)
+    latencies_s: list[float] = field(default_factory=list)  # of the good requests answered whole
     errors: Counter[str] = field(default_factory=Counter)
     samples: dict[str, str] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -66,6 +70,11 @@ class Tally:
     def add(self, **counts: int) -> None:
         with self.lock:
             self.counts.update(counts)
+
+    def completed(self, started: float, tokens: int) -> None:
+        with self.lock:
+            self.counts.update(completed=1, tokens=tokens)
+            self.latencies_s.append(time.monotonic() - started)
 
     def error(self, kind: str, detail: str) -> None:
         with self.lock:
@@ -111,7 +120,7 @@ def good_request(port: int, rng: random.Random, model: str, tally: Tally) -> Non
     chat, stream = rng.random() < 0.5, rng.random() < 0.6
     drop_after = rng.randint(1, 4) if stream and rng.random() < 0.3 else None
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    conn = connect(port)
+    conn, started = connect(port), time.monotonic()
     try:
         conn.request("POST", path, good_body(rng, model, chat=chat, stream=stream, max_tokens=rng.randint(1, 24)),
                      {"Content-Type": "application/json"})
@@ -124,16 +133,15 @@ def good_request(port: int, rng: random.Random, model: str, tally: Tally) -> Non
             tally.error(f"good:{response.status}", response.read().decode("utf-8", "replace"))
         elif stream:
             chunks, done, error = read_stream(response, drop_after)
-            tally.add(tokens=chunks)
             if drop_after is not None and not done:
-                tally.add(disconnected=1)
+                tally.add(disconnected=1, tokens=chunks)
             elif done and not error:
-                tally.add(completed=1)
+                tally.completed(started, chunks)
             else:
                 tally.error("stream:unfinished" if not done else "stream:error_event", f"{chunks} chunks")
         else:
             reply = json.loads(response.read())
-            tally.add(completed=1, tokens=int(reply["usage"]["completion_tokens"]))
+            tally.completed(started, int(reply["usage"]["completion_tokens"]))
     except (OSError, ValueError, KeyError, http.client.HTTPException) as exc:
         tally.error(f"good:{type(exc).__name__}", str(exc))
     finally:
@@ -213,9 +221,14 @@ def final_stream(port: int, model: str, outcomes: list[str], opened: threading.S
         conn.close()
 
 
+def latency(values: list[float]) -> dict[str, float]:
+    """Percentiles and maximum of the completed requests' latencies (s, submission to last byte)."""
+    return {**{k: round(v, 3) for k, v in asdict(percentiles(values)).items()}, "max": round(max(values, default=0), 3)}
+
+
 def start_server(args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen[str], int, str]:
     with log.open("a") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "kvrt.cli", "serve", "--http", "127.0.0.1:0",
+        proc = subprocess.Popen([sys.executable, "-m", "kvrt.cli", "-v", "serve", "--http", "127.0.0.1:0",
                                  "--model", args.model, "--n-ctx", str(args.n_ctx), "--slots", str(args.slots),
                                  "--threads", str(args.threads), "--max-queue", str(args.max_queue),
                                  "--shutdown-timeout-s", str(args.shutdown_timeout_s)],
@@ -255,15 +268,14 @@ def shutdown(proc: subprocess.Popen[str], port: int, model: str, streams: int,
 
 
 def main() -> int:
-    import kvrt  # noqa: PLC0415  (the demo model's path; the server is a separate process)
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration-s", type=float, default=60.0)
     parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--model", default=str(kvrt.demo_model_path()))
+    parser.add_argument("--model", default=str(demo_model_path()))
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--slots", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="llama.cpp threads (on the 2-core VM, 2 beside 16 client threads stretched p99 to 46 s)")
     parser.add_argument("--max-queue", type=int, default=64)
     parser.add_argument("--final-streams", type=int, default=4, help="long streams open when SIGTERM comes")
     parser.add_argument("--shutdown-timeout-s", type=float, default=20.0)
@@ -275,15 +287,9 @@ def main() -> int:
     tally, watch = Tally(), Watch(proc.pid).start()
     print(f"soak-http: {args.clients} clients for {args.duration_s:g} s against pid {proc.pid} on port {port}",
           flush=True)
-    started = time.monotonic()
-    until = started + args.duration_s
-    threads = [threading.Thread(target=client_loop, args=(i, port, model, until, args.seed, tally))
-               for i in range(args.clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    elapsed = time.monotonic() - started
+    elapsed = run_clients(lambda i, until: client_loop(i, port, model, until, args.seed, tally), args.clients,
+                          args.duration_s)
+    fds_before_sigterm = watch.fds[-1] if watch.fds else None
     end = shutdown(proc, port, model, args.final_streams, args.shutdown_timeout_s)
     watch.stop()
     counts = tally.counts
@@ -294,19 +300,15 @@ def main() -> int:
         "requests_sent": counts["sent"], "completed": counts["completed"], "refused_overloaded": counts["refused"],
         "disconnected_by_client": counts["disconnected"], "tokens": counts["tokens"],
         "bad_requests_sent": counts["bad_sent"], "bad_requests_refused_by_name": counts["bad_refused"],
-        "probes": counts["probes"], "errors": dict(tally.errors), "error_samples": tally.samples,
-        **watch.summary(), "shutdown": end, "log": str(log),
+        "probes": counts["probes"], "latency_s": latency(tally.latencies_s),
+        "errors": dict(tally.errors), "error_samples": tally.samples,
+        **watch.summary(), "open_fds_before_sigterm": fds_before_sigterm, "shutdown": end, "log": str(log),
     }
     accounted = counts["completed"] + counts["refused"] + counts["disconnected"] == counts["sent"]
     summary["every_request_accounted"] = accounted
     ok = (not tally.errors and accounted and summary["rss_bounded"] and end["exit_status"] == 0 and end["bounded"]
           and not end["streams_hung"] and counts["completed"] > 0)
-    summary["ok"] = ok
-    text = json.dumps(summary, indent=2, ensure_ascii=False)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    return 0 if ok else 1
+    return report(summary, ok, args.out)
 
 
 if __name__ == "__main__":

@@ -52,7 +52,7 @@ class Residency:
     """
 
     def __init__(self, ledger: VramLedger, agents: dict[str, Agent], *, pool: HostPool | None, n_ubatch: int,
-                 n_threads: int | None, flash_attn: str, on_evict: Callable[[Agent], None],
+                 n_threads: int | None, flash_attn: str, on_evict: Callable[[Agent], object],
                  measure: bool = True) -> None:
         self.ledger = ledger
         self.measure = measure  # correct each context's estimate to the device memory it took (a GPU only)

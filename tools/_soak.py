@@ -1,13 +1,17 @@
-"""What a soak watches in the server process it drives: resident memory and open file descriptors, from /proc.
+"""The parts the soaks share: what they watch in the server process they drive (resident memory and open file
+descriptors, from /proc) and how they report.
 
-Shared by ``tools/soak_daemon.py`` and ``tools/soak_http.py`` (each runs as a script, so this
+Used by ``tools/soak_daemon.py`` and ``tools/soak_http.py`` (each runs as a script, so this
 directory is first on ``sys.path``).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,3 +73,25 @@ class Watch:
             "open_fds": {"first": self.fds[0] if self.fds else None, "last": self.fds[-1] if self.fds else None,
                          "max": max(self.fds, default=None)},
         }
+
+
+def run_clients(loop: Callable[[int, float], None], clients: int, duration_s: float) -> float:
+    """Run ``loop(index, until)`` on ``clients`` threads until the monotonic time ``until``, ``duration_s`` from
+    now; the seconds until the last one returned (each finishes the request it is in)."""
+    started = time.monotonic()
+    threads = [threading.Thread(target=loop, args=(i, started + duration_s)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.monotonic() - started
+
+
+def report(summary: dict[str, object], ok: bool, out: str | None) -> int:
+    """Print the JSON summary (with ``ok``), also to ``out`` when given; the exit status: 0 when ``ok``."""
+    summary["ok"] = ok
+    text = json.dumps(summary, indent=2, ensure_ascii=False)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+    return 0 if ok else 1
