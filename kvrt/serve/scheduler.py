@@ -324,7 +324,6 @@ class Scheduler(AgentService[Agent]):
         agent.transcript += prompt + completion.sampled
         agent.kv_tokens = len(agent.transcript) - 1  # generate leaves the last sampled token undecoded
         agent.check()
-        unsaved = persist(self, agent)  # before the result is handed out: a crash after it loses nothing
         done = time.perf_counter()
         timings = completion.timings_ms
         metrics = RequestMetrics(
@@ -339,6 +338,7 @@ class Scheduler(AgentService[Agent]):
             agent.served_tokens += len(prompt) + len(completion.tokens)
             agent.requests += 1
             self._history.append(metrics)
+        unsaved = persist(self, agent)  # before the result is handed out: a crash after it loses nothing
         turn.future.set_result(DecodeResult(agent.agent_id, completion.text, completion.tokens,
                                             completion.finish_reason, tuple(switch.evicted), switch.restored,
                                             metrics, unsaved))
