@@ -280,7 +280,7 @@ ROWS = (
     Row("many agents over OpenAI's HTTP API, all at once: kvrt (`--kv-layout auto`) vs llama.cpp's `llama-server`, "
         "same GGUF, libllama and cells (H200: 163,840, flash attention on; CPU: the demo model); wall time (kvrt "
         "faster by), and batched-bench's ideal / kvrt",
-        Cell(lambda f: peer(f, H200_PEER), H200_PEER, "h200-2026-12-04"),
+        Cell(lambda f: peer(f, H200_PEER), H200_PEER, "h200-2026-12-05"),
         Cell(lambda f: peer(f, CPU_PEER), CPU_PEER, "cpu-2026-12-04"), "-"),
     Row("three models each asking for a huge context", Cell(coresidence, ("coresidence/agents.json",)), None,
         "lmxd: file size x 1.5 estimates"),
