@@ -209,13 +209,14 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
     if cache.available_slots() < slots_needed:
         return None
     first, continued = _first_slot(cache, src, m)
+    restored = 0
     if src is not None and not continued:
         cache.copy_prefix(src, first, 0, m)
     elif entry is not None:
         cache.evict_until(new_cells + reserved)  # the restore writes new cells: make them free first
         if cache.restore(first, entry, h):
-            m = h
-    live = Live(request, pending.stream, first, reused=m, pin=pending.pin, prefilled=m)
+            m = restored = h
+    live = Live(request, pending.stream, first, reused=m, restored=restored, pin=pending.pin, prefilled=m)
     for i, sampler in enumerate(pending.samplers):
         slot = first if i == 0 else cache.claim()
         assert slot is not None  # available_slots() counted them

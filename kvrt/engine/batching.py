@@ -139,7 +139,7 @@ class Engine:
         self._ids = itertools.count(1)
         self._wake = threading.Event()
         self._closing = False
-        self._steps = self._prefilled = self._reused = self._decoded = self._relayouts = 0
+        self._steps = self._prefilled = self._reused = self._restored = self._decoded = self._relayouts = 0
         self._switch_to: bool | None = None  # the layout (shared?) the worker recreates the context in next
         self._idle_since: float | None = None  # when the worker last found nothing to decode (None: busy)
         self._clock = _StepClock()
@@ -194,7 +194,7 @@ class Engine:
         clock = self._clock
         return EngineStats(
             steps=self._steps, prefilled_tokens=self._prefilled, reused_tokens=self._reused,
-            restored_tokens=cache.restored_tokens, decoded_tokens=self._decoded, busy_s=clock.busy_s,
+            restored_tokens=self._restored, decoded_tokens=self._decoded, busy_s=clock.busy_s,
             decode_s=clock.decode_s, admit_s=clock.admit_s, fill_s=clock.fill_s, sample_s=clock.sample_s,
             host_cpu_s=clock.host_cpu_s, queued=queued, active=len(self._live), used_cells=cache.used_cells,
             n_cells=cache.n_cells, slots=tuple(cache.describe()), kv_layout="unified" if cache.shared else "split",
@@ -342,6 +342,7 @@ class Engine:
             with self._lock:
                 self._queue.popleft()
             self._reused += live.reused
+            self._restored += live.restored
             self._live.append(live)
             if live.pin and not live.prefilling:  # its whole prompt was cached: no prefill row will ever land
                 self._pin_slot(live)
@@ -509,10 +510,8 @@ class Engine:
         except KvrtError:
             self.ctx = Context(self.model, self.config.context_params(old.shared))
             self.cache = PrefixCache(self.ctx, old.host)
-            self.cache.restored_tokens = old.restored_tokens
             raise
         self.cache = PrefixCache(self.ctx, old.host)
-        self.cache.restored_tokens = old.restored_tokens
         self._relayouts += 1
         log.info("KV layout now %s: %d slots of %d cells", "unified" if shared else "split", self.cache.n_slots,
                  self.cache.slot_cells)

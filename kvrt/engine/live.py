@@ -54,7 +54,8 @@ class Live:
     request: Request
     stream: RequestStream
     slot: int
-    reused: int
+    reused: int  # prompt positions taken from the cache, of which
+    restored: int = 0  # brought back from the host tier
     choices: list[Choice] = field(default_factory=list)
     pin: bool = False
     prefilled: int = 0

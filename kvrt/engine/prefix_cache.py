@@ -97,7 +97,6 @@ class PrefixCache:
         self.ctx = ctx
         self.host = host
         self.shared = ctx.params.kv_unified or ctx.n_seq_max == 1  # one pool of cells (else a stream per slot)
-        self.restored_tokens = 0  # tokens brought back from the host tier instead of prefilled
         self.n_cells = ctx.n_ctx
         self.slot_cells = ctx.n_ctx_seq  # the most one slot can hold: the pool, or its own stream
         self.n_slots = ctx.n_seq_max
@@ -269,7 +268,6 @@ class PrefixCache:
             return False
         self.appended(slot, entry.tokens)
         self.truncate(slot, keep)
-        self.restored_tokens += min(keep, len(entry.tokens))
         return True
 
     def evict(self, slot: int, *, keep_copy: bool = True) -> None:
