@@ -1,0 +1,88 @@
+"""The layer map of DEVELOPING.md, executable: a package imports only packages of lower layers.
+
+Every import of every module of kvrt (``kvrt/``, ``bindings/``, ``kernels/``) is read with :mod:`ast`, inside
+functions too; imports for type checking only (``if TYPE_CHECKING:``) are left out, since they run nowhere.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = {"kvrt": ROOT / "kvrt", "kvrt.bindings": ROOT / "bindings", "kvrt.kernels": ROOT / "kernels"}
+# DEVELOPING.md's drawing, bottom up; a unit is a subpackage of kvrt or a top-level module of it
+LAYERS: list[set[str]] = [
+    {"errors"},
+    {"bindings", "kernels"},
+    {"_handle", "_files", "checks", "system"},
+    {"engine"},
+    {"accounting", "modelfiles"},
+    {"state"},
+    {"branching", "memory", "stream"},
+    {"serve"},
+    {"__init__"},  # the public facade: re-exports
+    {"commands"},
+    {"cli"},
+]
+RANK = {unit: rank for rank, units in enumerate(LAYERS) for unit in units}
+# the one documented way down the map: the CPU probe child that `system` starts loads a model in a fresh process
+PROBE_CHILD = {("kvrt.system.cpu", "engine"), ("kvrt.system.cpu", "modelfiles")}
+
+
+def modules() -> Iterator[tuple[str, str, Path]]:
+    """(module name, its unit, file) of every module of the package."""
+    for base, root in SOURCES.items():
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            name = ".".join((base, *parts)).removesuffix(".__init__")
+            if base != "kvrt":
+                unit = base.split(".")[1]
+            else:
+                unit = parts[0]
+            yield name, unit, path
+
+
+def imported_units(path: Path) -> Iterator[tuple[str, int]]:
+    """The kvrt units ``path`` imports and the line of each import (type-checking-only imports left out)."""
+    def walk(node: ast.AST) -> Iterator[ast.AST]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and ast.unparse(child.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                yield from (n for orelse in child.orelse for n in [orelse, *walk(orelse)])
+                continue
+            yield child
+            yield from walk(child)
+
+    for node in walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "kvrt" and len(parts) > 1:
+                yield parts[1], node.lineno
+            elif parts[0] == "kvrt":
+                yield "__init__", node.lineno
+
+
+def test_every_unit_of_the_package_is_on_the_map():
+    assert {unit for _, unit, _ in modules()} <= set(RANK)
+
+
+def test_no_module_imports_its_own_layer_or_one_above():
+    upward = []
+    for name, unit, path in modules():
+        for target, line in imported_units(path):
+            if target == unit or (name, target) in PROBE_CHILD:
+                continue
+            if RANK[target] >= RANK[unit]:
+                upward.append(f"{path.relative_to(ROOT)}:{line} ({unit}, layer {RANK[unit]}) imports {target} "
+                              f"(layer {RANK[target]})")
+    assert not upward, "imports against the layer map of DEVELOPING.md:\n" + "\n".join(upward)
+
+
+def test_only_the_bench_command_imports_the_harnesses():
+    importers = {str(path.relative_to(ROOT)) for _, _, path in modules()
+                 if any(isinstance(node, (ast.Import, ast.ImportFrom)) and "kvrt_bench" in ast.unparse(node)
+                        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))))}
+    assert importers <= {"kvrt/commands/bench.py"}
