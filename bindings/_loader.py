@@ -18,7 +18,6 @@ from typing import Any
 
 import cffi
 from kvrt.bindings._cdef import CDEF, GGML_CDEF
-
 from kvrt.errors import LibraryError
 
 LIB_DIR_ENV = "KVRT_LLAMA_LIB_DIR"

@@ -161,9 +161,10 @@ def part_c(args: argparse.Namespace) -> dict[str, Any]:
     }
     print(f"  agent max_ctx = fixed n_ctx = {final_ctx}; turns {result['turn_prompt_tokens']} prompt tokens, "
           f"{args.gen_tokens} generated each; registration told {first_need} tokens where an arm uses expected_tokens")
-    print(f"  tokens equal: {result['tokens_equal']} ({', '.join(a + ' ' + str(per_arm[a]['tokens_equal']) for a in arms)}); "
-          f"fixed: prefill {f['prefill_ms']:.1f} ms (both turns), {f['ms_per_token']:.3f} ms/token, its {final_ctx}-cell "
-          f"context created at registration in {f['registration_ms']:.1f} ms")
+    equal = ", ".join(f"{a} {per_arm[a]['tokens_equal']}" for a in arms)
+    print(f"  tokens equal: {result['tokens_equal']} ({equal}); fixed: prefill {f['prefill_ms']:.1f} ms (both "
+          f"turns), {f['ms_per_token']:.3f} ms/token, its {final_ctx}-cell context created at registration in "
+          f"{f['registration_ms']:.1f} ms")
     for arm in arms:
         e, r = med[arm], per_arm[arm]
         expect, spare, ahead = ELASTIC_ARMS[arm]
@@ -174,16 +175,16 @@ def part_c(args: argparse.Namespace) -> dict[str, Any]:
         print(f"    ms/token {e['ms_per_token']:.3f} (ratio to fixed {r['tpot_ratio_elastic_over_fixed']:.3f}); "
               f"elastic prefill incl. growth {e['prefill_ms']:.1f} ms; requests waited {e['request_ms']:.1f} ms in all "
               f"(fixed {f['request_ms']:.1f})")
-        print(f"    ON the critical path: {e['moves']:.0f} moves ({e['on_path_spare_moves']:.0f} into a prepared spare), "
-              f"{e['growth_ms']:.2f} ms = {r['growth_over_prefill']:.1%} of the fixed prefill (target < 5%); of it "
-              f"context creation {e['on_path_create_ms']:.2f} ms")
+        print(f"    ON the critical path: {e['moves']:.0f} moves ({e['on_path_spare_moves']:.0f} into a prepared "
+              f"spare), {e['growth_ms']:.2f} ms = {r['growth_over_prefill']:.1%} of the fixed prefill (target < 5%); "
+              f"of it context creation {e['on_path_create_ms']:.2f} ms")
         print(f"    OFF the path: {e['off_path_ms']:.2f} ms = {r['off_path_over_prefill']:.1%} of the fixed prefill "
-              f"(spare creation {e['spare_create_ms']:.2f} ms, of it {e['registration_spare_ms']:.2f} ms at registration; "
-              f"moves ahead {e['off_path_moves']:.0f}, {e['off_path_move_ms']:.2f} ms); registration in all "
-              f"{e['registration_ms']:.1f} ms, between turns {e['between_ms']:.1f} ms")
+              f"(spare creation {e['spare_create_ms']:.2f} ms, of it {e['registration_spare_ms']:.2f} ms at "
+              f"registration; moves ahead {e['off_path_moves']:.0f}, {e['off_path_move_ms']:.2f} ms); registration "
+              f"in all {e['registration_ms']:.1f} ms, between turns {e['between_ms']:.1f} ms")
         print(f"    spares: {e['spares']:.0f} made, {e['spares_used']:.0f} used; largest {e['spare_peak_mb']:.1f} MB "
-              f"(ledger charge), held {e['spare_held_ms']:.1f} ms in all = {e['spare_mb_s']:.3f} MB*s; still held after "
-              f"the last turn: {e['spare_held_after_mb']:.1f} MB")
+              f"(ledger charge), held {e['spare_held_ms']:.1f} ms in all = {e['spare_mb_s']:.3f} MB*s; still held "
+              f"after the last turn: {e['spare_held_after_mb']:.1f} MB")
         for mv in r["last_run_moves"]:
             print(f"      move {mv['from']:>6} -> {mv['to']:>6} cells carrying {mv['tokens']:>6} tokens "
                   f"({mv['state_mb']:.1f} MB): {mv['ms']:.2f} ms {'on the path' if mv['on_path'] else 'ahead'}"

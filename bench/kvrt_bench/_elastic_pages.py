@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 import numpy as np
-
 from kvrt.memory.elastic import ElasticPool
 
 MiB = 1 << 20

@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from kvrt.memory.elastic import ElasticPool, ElasticRefusal
 from kvrt.memory.elastic_kv import ElasticKV, KVLayout
+
 from kvrt_bench._elastic_pages import page_driver, pct
 from kvrt_bench._plotting import draw
 
@@ -155,8 +155,8 @@ def simulate(arm: str, models: list[TraceModel], trace: list[Request], cap: int,
     free_slots: list[list[ElasticKV]] = []
     arena = StaticArena(kind) if arm == "static" else None
     if arm == "elastic":
-        pool = ElasticPool(pool_driver, capacity_bytes=cap, idle_target_pages=IDLE_TARGET, idle_max_pages=2 * IDLE_TARGET,
-                           park_s=0.0, map_ahead_stripes=0)
+        pool = ElasticPool(pool_driver, capacity_bytes=cap, idle_target_pages=IDLE_TARGET,
+                           idle_max_pages=2 * IDLE_TARGET, park_s=0.0, map_ahead_stripes=0)
         free_slots = [[ElasticKV(pool, f"{model.name}/{j}", model.layout) for j in range(slots)] for model in models]
 
     def push(t: float, what: str, data: Any) -> None:

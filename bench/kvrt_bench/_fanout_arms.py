@@ -63,6 +63,7 @@ from kvrt.engine.context import ContextParams
 from kvrt.engine.generation import GenerationParams, prefill
 from kvrt.engine.model import Model
 from kvrt.state.contextpool import ContextPool
+
 from kvrt_bench._peer import LlamaPeer
 
 ARMS = ("naive", "baseline", "peer-ram", "peer-disk", "isolated", "isolated-cold", "shared", "ideal")

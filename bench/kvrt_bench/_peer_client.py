@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvrt.serve.results import percentiles
+
 from kvrt_bench._peer_workloads import Workload
 
 

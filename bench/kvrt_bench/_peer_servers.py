@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvrt.errors import KvrtError
+
 from kvrt_bench._peer_client import TurnResult
 
 LLAMA_SERVER_ENV = "KVRT_LLAMA_SERVER"

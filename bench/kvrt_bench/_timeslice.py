@@ -19,6 +19,7 @@ from kvrt.engine.generation import GenerationParams, generate
 from kvrt.engine.model import Model
 from kvrt.serve.results import percentiles
 from kvrt.serve.scheduler import Scheduler
+
 from kvrt_bench._log import log
 
 

@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from kvrt.accounting.estimate import DeviceMeter, ModelShape, context_estimate
 from kvrt.accounting.ledger import LedgerDenied, NvmlProbe, VramLedger
 from kvrt.engine.batch import Batch
@@ -46,6 +45,7 @@ from kvrt.modelfiles.testmodels import Shape, ensure_model, write_model
 from kvrt.serve.protocol import error_reply
 from kvrt.serve.scheduler import Scheduler
 from kvrt.state.hostpool import HostPool
+
 from kvrt_bench import _swap
 from kvrt_bench._bounds import DEFAULT_TOLERANCE, Bound, enforce
 from kvrt_bench._log import log
@@ -204,9 +204,9 @@ def swap_point(model: Model, n_doc: int, args: argparse.Namespace, pool: HostPoo
     k = row["kvrt"]
     log(f"swap {model.path.name} {n_doc} tok: state {k['state_bytes'] / 1e6:.1f} MB; re-prefill "
          f"{k['reprefill_ms']:.1f} ms, out {k['swap_out_ms']:.1f}, in (kept ctx) {k['swap_in_kept_ms']:.1f} "
-         f"[{k['swap_in_kept_ms_min']:.1f}-{k['swap_in_kept_ms_max']:.1f}], in (fresh ctx) {k['swap_in_fresh_ms']:.1f}, switch "
-         f"{k['switch_ttft_ms']:.1f} ms; ideal {ideal_ms:.1f} ms ({ideal_kind}, {k['ideal_gbps']:.1f} GB/s): fraction "
-         f"{k['fraction_of_ideal']:.3f}; exact {k['exact_all_trials']}")
+         f"[{k['swap_in_kept_ms_min']:.1f}-{k['swap_in_kept_ms_max']:.1f}], in (fresh ctx) "
+         f"{k['swap_in_fresh_ms']:.1f}, switch {k['switch_ttft_ms']:.1f} ms; ideal {ideal_ms:.1f} ms ({ideal_kind}, "
+         f"{k['ideal_gbps']:.1f} GB/s): fraction {k['fraction_of_ideal']:.3f}; exact {k['exact_all_trials']}")
     kinds = [c for c in args.swap_peers.split(",")
              if c and (c != "disk" or args.peer_disk_max_tokens is None or n_doc <= args.peer_disk_max_tokens)]
     if kinds:

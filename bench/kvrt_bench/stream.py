@@ -35,6 +35,7 @@ from kvrt.stream.layer import LayerShape, fill_random
 from kvrt.stream.streamer import LayerStreamer
 from kvrt.stream.streamplan import RunTimes, StreamConfig, StreamReport, report
 from kvrt.stream.streamwork import FmaWork, LayerWork
+
 from kvrt_bench._bounds import DEFAULT_TOLERANCE, Bound, enforce, ideal_bound
 from kvrt_bench._plotting import draw
 from kvrt_bench._stats import check_samples
@@ -54,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-iters", type=int, default=64, help="FMA mode: FMAs per float32 (seed: 64)")
     parser.add_argument("--mode", choices=("fma", "layer"), default="fma")
     parser.add_argument("--tokens", type=int, default=1024, help="layer mode: prefill chunk B")
-    parser.add_argument("--preset", default="qwen2.5-7b", help="layer mode: model shape from kvrt.modelfiles.testmodels")
+    parser.add_argument("--preset", default="qwen2.5-7b",
+                        help="layer mode: model shape from kvrt.modelfiles.testmodels")
     parser.add_argument("--sweep", action="store_true",
                         help="also sweep compute_iters (fma) or tokens (layer) and add the balanced point")
     parser.add_argument("--sweep-values", default="", help="comma-separated values for --sweep (default: built-in)")

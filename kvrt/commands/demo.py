@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="use the first N tokens of the license (0: all ~3,200; ~10 s of prefill per copy "
                              "on a 2-core CPU at full length, well under a second on a GPU)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens each agent writes at most")
-    parser.add_argument("--n-gpu-layers", type=int, default=-1, help="layers on the GPU (-1: all; no-op on a CPU build)")
+    parser.add_argument("--n-gpu-layers", type=int, default=-1,
+                        help="layers on the GPU (-1: all; no-op on a CPU build)")
     parser.add_argument("--flash-attn", choices=tuple(FLASH_ATTN), default="off",
                         help="flash attention in both kvrt's and the baseline's contexts")
 

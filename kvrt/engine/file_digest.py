@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 from concurrent.futures import Future
 from pathlib import Path

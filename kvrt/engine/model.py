@@ -161,7 +161,8 @@ class Model(OwnsHandle):
         _check_file(self.path)
         unknown = sorted(set(overrides) - {f.name for f in fields(ModelParams)})
         if unknown:
-            raise KvrtError(f"unknown model parameter(s) {unknown}; ModelParams has {[f.name for f in fields(ModelParams)]}")
+            known = [f.name for f in fields(ModelParams)]
+            raise KvrtError(f"unknown model parameter(s) {unknown}; ModelParams has {known}")
         self.params = replace(params or ModelParams(), **overrides).resolved()
         c_params, keep_split = self.params.to_c()
         keep_alive: Any = None

@@ -79,7 +79,7 @@ class BatchConfig:
     prefill_chunk: int = 256
     n_threads: int | None = None
     flash_attn: str = "auto"
-    host_bytes: int = 2 << 30  # host copies of agents' evicted histories: a returning agent is restored, not re-prefilled
+    host_bytes: int = 2 << 30  # host copies of evicted agents' histories: a returning one is restored, not prefilled
     kv_layout: str = "auto"  # EngineConfig.kv_layout
 
     def engine(self) -> EngineConfig:

@@ -4,8 +4,8 @@ Bodies are checked with pydantic, strictly (a bool is not a number, a string is 
 number or a bool, numbers are finite, integers within what the engine can hold); a bad
 field becomes an :class:`ApiError` (HTTP 400) whose ``param`` names it. Before that,
 :func:`check_json` refuses JSON nested deeper than :data:`MAX_JSON_DEPTH` and text that
-UTF-8 cannot encode (lone surrogates such as ``"\ud800"``), naming where. Sampling follows OpenAI's meaning: ``temperature`` 0 is
-greedy, ``top_p`` 1 and no top-k / min-p unless the llama.cpp-style extensions
+UTF-8 cannot encode (lone surrogates such as ``"\ud800"``), naming where. Sampling follows
+OpenAI's meaning: ``temperature`` 0 is greedy, ``top_p`` 1 and no top-k / min-p unless the llama.cpp-style extensions
 ``top_k`` / ``min_p`` are given; ``frequency_penalty`` / ``presence_penalty`` (and the
 ``repetition_penalty`` extension) count every token generated so far; a missing
 (or null) ``seed`` is drawn at random; a given one is in [0, 2**32 - 2] and reproducible

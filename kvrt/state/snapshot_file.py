@@ -38,7 +38,7 @@ MAX_HEADER = 1 << 20  # a real header is ~400 bytes; a longer length field is da
 
 
 def write_file(path: str | os.PathLike[str], identity: SnapshotIdentity, payload: np.ndarray) -> Path:
-    """Write ``identity`` and ``payload`` to ``path`` atomically (:func:`kvrt._files.write_atomic`); returns the path."""
+    """Write ``identity`` and ``payload`` to ``path`` atomically (:func:`kvrt._files.write_atomic`); returns it."""
     target = as_path(path, "save a snapshot to")
     try:
         write_atomic(target, lambda fh: _write(fh, identity, payload))

@@ -61,7 +61,10 @@ class SnapshotStore(ABC):
         return None
 
     def check_target(self, ctx: Context) -> None:
-        """Raise :class:`SnapshotMismatch` if this store cannot restore into ``ctx`` (the identity is checked apart)."""
+        """Raise :class:`SnapshotMismatch` if this store cannot restore into ``ctx`` (the identity is checked apart).
+
+        The default: a store whose bytes any context of the model accepts."""
+        return None
 
     @abstractmethod
     def restore(self, ctx: Context, seq_id: int, identity: SnapshotIdentity) -> None:
