@@ -50,6 +50,16 @@ def other_tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tools_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's weights with a Jinja chat template that teaches tools (Hermes ``<tool_call>`` blocks in
+    ChatML turns, as Qwen 2.5's does): ``tests/chat_templates/hermes_tools.jinja``."""
+    from kvrt.modelfiles.testmodels import write_model
+
+    template = (Path(__file__).parent / "chat_templates" / "hermes_tools.jinja").read_text()
+    return write_model(tmp_path_factory.mktemp("models") / "tiny-tools.gguf", "tiny", seed=0, chat_template=template)
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tiny_model_path: Path):
     from kvrt.engine.model import Model
 

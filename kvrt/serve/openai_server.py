@@ -77,20 +77,20 @@ from kvrt.engine.requests import (
     TokenEvent,
 )
 from kvrt.errors import KvrtError
+from kvrt.serve.api_error import ApiError
 from kvrt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kvrt.serve.chat_prompt import ToolPlan, chat_prompt, tool_plan, tools_of
 from kvrt.serve.metrics import RequestRecord, ServerMetrics
 from kvrt.serve.openai_format import Kind, Shaper
 from kvrt.serve.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_JSON_DEPTH,
-    ApiError,
     ChatBody,
     CompletionBody,
     DetokenizeBody,
     ForkBody,
     PinBody,
     TokenizeBody,
-    chat_prompt,
     check_json,
     check_vocab,
     completion_prompt,
@@ -100,64 +100,15 @@ from kvrt.serve.openai_schema import (
     pieces_text,
     text_tokens,
 )
+from kvrt.serve.sse import KEEPALIVE, Bridge, Waker, paced, sse
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 DEFAULT_MAX_INPUT_BYTES = 4 << 20  # a request body's bytes (a 10 MB chat message froze every client for seconds)
 TOKENIZER_THREADS = 2
+DEFAULT_SSE_KEEPALIVE_S = 15.0  # under the 30-60 s idle timeouts of common proxies and load balancers
 log = logging.getLogger("kvrt.serve.http")  # one info line per answered request (kvrt -v serve shows them)
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key (a load balancer's probe has none)
 _T = TypeVar("_T")
-
-
-class _Waker:
-    """Sets asyncio events of one loop from the engine's thread, waking the loop once for all the events due
-    since its last wake: a step that streams a token to each of N requests costs one wake-up of the loop (one
-    write to its self-pipe), not N.
-
-    Invariant: a wake is scheduled whenever ``_due`` is not empty (the first event added schedules it; the wake
-    empties the list under the lock before setting the events).
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._due: list[asyncio.Event] = []
-
-    def set_soon(self, flag: asyncio.Event) -> None:
-        with self._lock:
-            self._due.append(flag)
-            if len(self._due) > 1:  # a wake is already scheduled
-                return
-        try:
-            self.loop.call_soon_threadsafe(self._wake)
-        except RuntimeError:  # the loop is closed: nobody listens any more
-            pass
-
-    def _wake(self) -> None:
-        with self._lock:
-            due, self._due = self._due, []
-        for flag in due:
-            flag.set()
-
-
-class _Bridge:
-    """Wakes one asyncio task from the engine's thread whenever its request has new events."""
-
-    def __init__(self, waker: _Waker) -> None:
-        self._waker = waker
-        self._flag = asyncio.Event()
-
-    def notify(self) -> None:
-        self._waker.set_soon(self._flag)
-
-    async def events(self, stream: RequestStream) -> AsyncIterator[Event]:
-        while True:
-            self._flag.clear()
-            while (event := stream.poll()) is not None:
-                yield event
-                if isinstance(event, RequestEnd):
-                    return
-            await self._flag.wait()
 
 
 class _RequireKey:
@@ -228,10 +179,6 @@ def _note(record: RequestRecord, event: Event) -> None:
         record.end(event)
 
 
-def _sse(obj: Mapping[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
 class OpenAIServer:
     """The HTTP front over ``engines`` (model name -> engine); the engines stay the caller's to close.
 
@@ -239,23 +186,28 @@ class OpenAIServer:
     ``request_timeout_s`` (if set) is every request's deadline; the tokens of the latest
     ``remember`` completions are kept for ``/v1/kvrt/fork``; a request body over
     ``max_input_bytes`` is answered 413; with ``api_key`` every route but ``/health`` needs it as a
-    bearer token.
+    bearer token; a stream that has sent nothing for ``sse_keepalive_s`` (waiting in the queue, or for its
+    first token) gets an SSE comment, ``: keep-alive``.
     """
 
     def __init__(self, engines: Mapping[str, Engine], *, default_max_tokens: int = 512,
                  request_timeout_s: float | None = None, remember: int = 1024,
-                 max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES, api_key: str | None = None) -> None:
+                 max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES, api_key: str | None = None,
+                 sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S) -> None:
         if not engines:
             raise KvrtError("the OpenAI server needs at least one model")
         if isinstance(max_input_bytes, bool) or not isinstance(max_input_bytes, int) or max_input_bytes < 1:
             raise KvrtError(f"max_input_bytes must be a positive integer, got {max_input_bytes!r}")
         if api_key is not None and (not api_key or api_key != api_key.strip()):
             raise KvrtError("api_key must be non-empty, without leading or trailing spaces")
+        if not sse_keepalive_s > 0:
+            raise KvrtError(f"sse_keepalive_s must be a positive number of seconds, got {sse_keepalive_s!r}")
         self.max_input_bytes = max_input_bytes
+        self.sse_keepalive_s = sse_keepalive_s
         self._api_key = api_key
         self._tokenizer = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvrt-tokenize")
         self.engines = dict(engines)
-        self._loop_waker: _Waker | None = None
+        self._loop_waker: Waker | None = None
         self._pieces = {name: self._tokenizer.submit(longest_piece, engine.model)  # model name -> its longest
                         for name, engine in self.engines.items()}                  # token's bytes (a vocab pass)
         self.default_max_tokens = default_max_tokens
@@ -347,9 +299,11 @@ class OpenAIServer:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         engine = self._engine(body.model)
         limit = await self._limit(body.model)
-        prompt = await self._off_loop(lambda: chat_prompt(engine.model, body.messages, limit=limit))
+        plan = await self._off_loop(lambda: tool_plan(body, engine.model))
+        prompt = await self._off_loop(lambda: chat_prompt(engine.model, body.messages, tools=tools_of(body),
+                                                          limit=limit))
         return await self._run(request, "chat", body, engine, prompt, body.max_completion_tokens or body.max_tokens,
-                               (body.top_logprobs or 0) if body.logprobs else None)
+                               (body.top_logprobs or 0) if body.logprobs else None, plan)
 
     async def fork(self, request: HttpRequest) -> Response:
         body = parse(ForkBody, await self._json(request))
@@ -381,7 +335,7 @@ class OpenAIServer:
                                       if body.prompt is not None
                                       else chat_prompt(engine.model, body.messages or [], generation=False,
                                                        limit=limit))
-        bridge = _Bridge(self._waker())
+        bridge = Bridge(self._waker())
         stream = self._submit(engine, lambda: engine.pin(tokens, notify=bridge.notify), None)
         result = await self._collect(request, stream, bridge)
         pin_id = f"pin-{uuid.uuid4().hex}"
@@ -414,11 +368,11 @@ class OpenAIServer:
         return {"content": await self._off_loop(lambda: pieces_text(model, body.tokens))}
 
     # -- the shared path ------------------------------------------------------------------
-    def _waker(self) -> _Waker:
+    def _waker(self) -> Waker:
         """The waker of the running loop (one per loop, made on first use)."""
         loop = asyncio.get_running_loop()
         if self._loop_waker is None or self._loop_waker.loop is not loop:
-            self._loop_waker = _Waker(loop)
+            self._loop_waker = Waker(loop)
         return self._loop_waker
 
     async def _off_loop(self, fn: Callable[[], _T]) -> _T:
@@ -474,24 +428,26 @@ class OpenAIServer:
         return next(iter(self.engines.values()))
 
     async def _run(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
-                   max_tokens: int | None, logprobs: int | None) -> Response:
+                   max_tokens: int | None, logprobs: int | None, tools: ToolPlan | None = None) -> Response:
         try:
             job = engine_request(body, prompt, n_cells=engine.n_cells, n_vocab=engine.model.n_vocab,
-                                 max_tokens=max_tokens, default_max_tokens=self.default_max_tokens, logprobs=logprobs)
+                                 max_tokens=max_tokens, default_max_tokens=self.default_max_tokens, logprobs=logprobs,
+                                 grammar=tools.grammar if tools is not None else None)
             if self.request_timeout_s is not None:
                 job = replace(job, deadline=time.monotonic() + self.request_timeout_s)
         except KvrtError as exc:
             raise ApiError(400, str(exc)) from None
         record: RequestRecord = request.state.kvrt
         record.model = body.model
-        bridge = _Bridge(self._waker())
+        bridge = Bridge(self._waker())
         stream = self._submit(engine, lambda: engine.submit(job, notify=bridge.notify), job)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         shaper = Shaper(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), body.model, engine.model, job.n,
-                        logprobs is not None, tokens=kind == "text" and body.return_tokens)
+                        logprobs is not None, tokens=kind == "text" and body.return_tokens,
+                        tools=tools.names if tools is not None else None)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = bridge.events(stream)
+            events = paced(bridge.events(stream), self.sse_keepalive_s)
             first = await self._admitted(request, stream, events)  # a refusal is still an HTTP error here
             return StreamingResponse(self._stream(stream, events, first, shaper, usage, record),
                                      media_type="text/event-stream")
@@ -528,7 +484,7 @@ class OpenAIServer:
         if error is not None:
             raise ApiError(500, f"the request failed: {error}", kind="server_error")
 
-    async def _collect(self, request: HttpRequest, stream: RequestStream, bridge: _Bridge) -> RequestResult:
+    async def _collect(self, request: HttpRequest, stream: RequestStream, bridge: Bridge) -> RequestResult:
         """The whole result; the request is cancelled if the client goes away meanwhile."""
         watcher = await self._watching(request, stream)
         collector = ResultCollector(stream.request.n)
@@ -545,11 +501,12 @@ class OpenAIServer:
         return result
 
     async def _admitted(self, request: HttpRequest, stream: RequestStream,
-                        events: AsyncIterator[Event]) -> list[Event]:
-        """A streamed request's events up to its first output: raises the same HTTP error as an unstreamed
-        request when the engine refused it at admission (every choice ended "error" with nothing out)."""
+                        events: AsyncIterator[Event | None]) -> list[Event | None]:
+        """A streamed request's events up to its first output, or up to the first keep-alive's ``None``: raises
+        the same HTTP error as an unstreamed request when the engine refused it at admission (every choice
+        ended "error" with nothing out) before then; a later refusal is the stream's error event."""
         watcher = await self._watching(request, stream)
-        first: list[Event] = []
+        first: list[Event | None] = []
         try:
             async for event in events:
                 first.append(event)
@@ -565,13 +522,13 @@ class OpenAIServer:
             self._raise_refusal(last.error)
         return first
 
-    async def _stream(self, stream: RequestStream, events: AsyncIterator[Event], first: list[Event],
+    async def _stream(self, stream: RequestStream, events: AsyncIterator[Event | None], first: list[Event | None],
                       shaper: Shaper, usage: bool, record: RequestRecord) -> AsyncIterator[str]:
-        """SSE chunks as tokens arrive (``first``: those already taken from ``events``); leaving early (a
-        disconnect) cancels the request."""
+        """SSE chunks as tokens arrive (``first``: those already taken from ``events``; ``None``: a keep-alive is
+        due); leaving early (a disconnect) cancels the request."""
         collector = ResultCollector(stream.request.n)
 
-        async def everything() -> AsyncIterator[Event]:
+        async def everything() -> AsyncIterator[Event | None]:
             for event in first:
                 yield event
             if not isinstance(first[-1], RequestEnd):
@@ -581,23 +538,25 @@ class OpenAIServer:
         try:
             opening = shaper.role_chunk()
             if opening is not None:
-                yield _sse(opening)
+                yield sse(opening)
             async for event in everything():
+                if event is None:
+                    yield KEEPALIVE
+                    continue
                 _note(record, event)
                 collector.add(event)
                 if isinstance(event, TokenEvent):
-                    if event.text or event.logprob is not None or shaper.tokens:
-                        yield _sse(shaper.chunk(event.index, event.text, event.logprob, token=event.token))
+                    for chunk in shaper.token_chunks(event):
+                        yield sse(chunk)
                 elif isinstance(event, ChoiceEnd):
-                    if event.rest:
-                        yield _sse(shaper.chunk(event.index, event.rest))
-                    yield _sse(shaper.chunk(event.index, "", finish_reason=event.finish_reason))
+                    for chunk in shaper.end_chunks(event):
+                        yield sse(chunk)
                 elif event.error is not None:
-                    yield _sse(ApiError(500, f"the request failed: {event.error}", kind="server_error").body())
+                    yield sse(ApiError(500, f"the request failed: {event.error}", kind="server_error").body())
                 else:
                     self._remember(shaper.id, shaper.model_name, list(stream.request.prompt), collector.choices)
                     if usage:
-                        yield _sse(shaper.usage_chunk(event))
+                        yield sse(shaper.usage_chunk(event))
             yield "data: [DONE]\n\n"
         finally:
             stream.cancel()
