@@ -94,7 +94,9 @@ def parse_calls(text: str, names: frozenset[str]) -> tuple[str, list[ToolCall]] 
     start = call_start(text)
     if start is None:
         return None
-    decoder, rest, values = json.JSONDecoder(), text[start:], []
+    # strict=False: control characters inside strings are taken (llama-cpp-python's grammar lets a model write
+    # them raw); the arguments are written back as JSON with them escaped
+    decoder, rest, values = json.JSONDecoder(strict=False), text[start:], []
     i = 0
     while True:
         i = _skip_separators(rest, i)
@@ -141,7 +143,7 @@ def _call(value: Any, names: frozenset[str]) -> ToolCall | None:
     arguments = value.get("arguments", value.get("parameters", {}))
     if isinstance(arguments, str):  # some models write the arguments as a JSON string, as OpenAI's API does
         try:
-            arguments = json.loads(arguments)
+            arguments = json.loads(arguments, strict=False)
         except ValueError:
             return None
     if not isinstance(arguments, dict):
