@@ -1,0 +1,95 @@
+"""An agent framework (the OpenAI Agents SDK) running its tool loop against ``kvrt serve --http``, a real process.
+
+The model is the tiny test model with a Jinja template that teaches tools: its text is
+noise, so the first turn forces the call (``tool_choice="required"``; the SDK resets the
+choice to ``auto`` once a tool has run, so the second turn answers in text). What is checked
+is the loop's structure: the tool ran with arguments its schema accepts, its result went
+back to the model in the next request, and the run ended with a final text answer. Run
+both unstreamed and streamed (the SDK assembles streamed tool-call deltas itself).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+agents = pytest.importorskip("agents", reason="the test extra's openai-agents is not installed")
+openai = pytest.importorskip("openai")
+
+WAIT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def base_url(tools_model_path: Path) -> Iterator[str]:
+    """``kvrt serve --http 127.0.0.1:0`` on the tools test model; yields its base URL."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvrt.cli", "serve", "--http", "127.0.0.1:0", "--model",
+                             str(tools_model_path), "--n-ctx", "4096", "--slots", "2", "--threads", "1",
+                             "--max-tokens", "24"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        found = re.search(r"(http://\S+/v1)", line)
+        if not found:
+            proc.kill()
+            pytest.fail(f"kvrt serve --http printed {line!r}; stderr: {proc.communicate(timeout=WAIT_S)[1][-2000:]}")
+        yield found.group(1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT_S) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
+
+
+def weather_agent(base_url: str, model_name: str) -> tuple[agents.Agent, list[dict[str, object]]]:
+    """An agent with one tool that records its calls; its first model turn must call a tool."""
+    calls: list[dict[str, object]] = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Tokyo", "Lima"], days: int) -> str:
+        """The weather forecast for a city."""
+        calls.append({"city": city, "days": days})
+        return f"sunny in {city} for {days} days"
+
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=WAIT_S)
+    model = agents.OpenAIChatCompletionsModel(model=model_name, openai_client=client)
+    agent = agents.Agent(name="forecaster", instructions="Answer with the forecast.", tools=[get_weather],
+                         model=model, model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
+                                                                          parallel_tool_calls=False, max_tokens=200))
+    return agent, calls
+
+
+def check_loop(result: agents.RunResultBase, calls: list[dict[str, object]]) -> None:
+    kinds = [item.type for item in result.new_items]
+    assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item"
+    assert len(calls) == 1 and calls[0]["city"] in ("Paris", "Tokyo", "Lima") and isinstance(calls[0]["days"], int)
+    assert result.new_items[1].output == f"sunny in {calls[0]['city']} for {calls[0]['days']} days"
+    assert isinstance(result.final_output, str)
+    assert len(result.raw_responses) == 2  # the call, then the answer that read the tool's result
+
+
+@pytest.fixture(autouse=True)
+def _no_tracing() -> None:
+    agents.set_tracing_disabled(True)  # the SDK would export traces to OpenAI's servers
+
+
+def test_an_agent_calls_a_tool_and_answers(base_url, tools_model_path):
+    agent, calls = weather_agent(base_url, tools_model_path.stem)
+    result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris for 3 days?", max_turns=4))
+    check_loop(result, calls)
+
+
+def test_a_streamed_agent_run_assembles_the_call_from_deltas(base_url, tools_model_path):
+    agent, calls = weather_agent(base_url, tools_model_path.stem)
+
+    async def run() -> agents.RunResultStreaming:
+        streamed = agents.Runner.run_streamed(agent, "What is the weather in Lima?", max_turns=4)
+        async for _ in streamed.stream_events():
+            pass
+        return streamed
+
+    check_loop(asyncio.run(run()), calls)
