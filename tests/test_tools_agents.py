@@ -11,10 +11,6 @@ both unstreamed and streamed (the SDK assembles streamed tool-call deltas itself
 from __future__ import annotations
 
 import asyncio
-import re
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -24,25 +20,14 @@ import pytest
 agents = pytest.importorskip("agents", reason="the test extra's openai-agents is not installed")
 openai = pytest.importorskip("openai")
 
-WAIT_S = 120.0
+from test_serve_http_cli import WAIT_S, serving  # noqa: E402  (pytest puts tests/ on sys.path)
 
 
 @pytest.fixture(scope="module")
 def base_url(tools_model_path: Path) -> Iterator[str]:
-    """``kvrt serve --http 127.0.0.1:0`` on the tools test model; yields its base URL."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvrt.cli", "serve", "--http", "127.0.0.1:0", "--model",
-                             str(tools_model_path), "--n-ctx", "4096", "--slots", "2", "--threads", "1",
-                             "--max-tokens", "24"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        found = re.search(r"(http://\S+/v1)", line)
-        if not found:
-            proc.kill()
-            pytest.fail(f"kvrt serve --http printed {line!r}; stderr: {proc.communicate(timeout=WAIT_S)[1][-2000:]}")
-        yield found.group(1)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=WAIT_S) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
+    """``kvrt serve --http`` on the tools test model; yields its base URL."""
+    with serving("--model", str(tools_model_path), "--n-ctx", "4096", "--slots", "2", "--threads", "1") as url:
+        yield url
 
 
 def weather_agent(base_url: str, model_name: str) -> tuple[agents.Agent, list[dict[str, object]]]:

@@ -217,3 +217,32 @@ def test_a_waiting_stream_gets_keep_alives(served, tools_model_path: Path):
     finally:
         server.stop()
         engine.close()
+
+
+def test_a_model_without_a_jinja_template_gets_the_hermes_fallback(demo_model):
+    """The demo model's GGUF has no Jinja template: tools are described in a system turn, and calls and results
+    are written as Hermes text into turns llama.cpp's built-in template renders."""
+    from kvrt.engine.chat import apply_chat_template
+
+    engine = Engine(demo_model, EngineConfig(n_ctx=2048, n_seq_max=2, n_batch=256))
+    server = OpenAIServer({"demo": engine})
+    host, port = server.start("127.0.0.1", 0)
+    try:
+        client = openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
+        forced = client.chat.completions.create(model="demo", messages=ASK, tools=TOOLS, tool_choice="required",
+                                                parallel_tool_calls=False, temperature=0, max_tokens=160)
+        assert forced.choices[0].finish_reason == "tool_calls"
+        assert_valid(forced.choices[0].message.tool_calls, {"get_weather", "get_time"})
+        call = forced.choices[0].message.tool_calls[0]
+        history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                   {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+        answer = client.chat.completions.create(model="demo", messages=history, tools=TOOLS, tool_choice="none",
+                                                max_tokens=4)
+        written = json.dumps({"name": call.function.name, "arguments": json.loads(call.function.arguments)})
+        plain = [ASK[0], {"role": "assistant", "content": f"<tool_call>\n{written}\n</tool_call>"},
+                 {"role": "user", "content": "<tool_response>\nsunny\n</tool_response>"}]
+        expected = demo_model.tokenize(apply_chat_template(demo_model, plain), parse_special=True)
+        assert answer.usage.prompt_tokens == len(expected)
+    finally:
+        server.stop()
+        engine.close()

@@ -3,7 +3,9 @@
 ``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` speak
 OpenAI's wire format (SSE streaming with ``data: [DONE]``, ``n``, logprobs, stop,
 seed, penalties, ``response_format`` through the grammar sampler, usage with
-``cached_tokens``); errors are ``{"error": {"message", "type", "param", "code"}}``
+``cached_tokens``; chat ``tools`` and ``tool_choice``: see :mod:`kvrt.serve.chat_prompt` and
+:mod:`kvrt.serve.tool_calls`); a stream with nothing to send yet gets ``: keep-alive``
+comments every ``sse_keepalive_s``; errors are ``{"error": {"message", "type", "param", "code"}}``
 with 400 for bad input naming the field, 404 for an unknown model, 503 when an
 engine's queue is full. kvrt's own routes live under ``/v1/kvrt/``:
 
