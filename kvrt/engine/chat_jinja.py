@@ -61,8 +61,6 @@ def render_jinja(source: str, messages: Sequence[Mapping[str, Any]], *,
     """The prompt text ``source`` renders for ``messages`` (OpenAI-shaped dicts: ``role``, ``content``,
     ``tool_calls``, ``tool_call_id``, ...) and ``tools`` (OpenAI's ``{"type": "function", "function": ...}``
     entries; ``None``: the template is told of none)."""
-    from jinja2 import TemplateError
-
     template = _compiled(source)
     try:
         return template.render(messages=list(messages), tools=None if tools is None else list(tools),
@@ -70,5 +68,6 @@ def render_jinja(source: str, messages: Sequence[Mapping[str, Any]], *,
                                eos_token=eos_token)
     except ChatTemplateError:
         raise
-    except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as exc:
+    except Exception as exc:  # TemplateError (the sandbox's SecurityError included) or whatever the template's
+        # own Python operations raised on these messages (TypeError, KeyError, ...): the request's to mend
         raise ChatTemplateError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from None

@@ -77,18 +77,19 @@ def chat_prompt(model: Model, messages: Sequence[ChatMessageBody], *, tools: lis
     turns = _turns(messages)
     with_tools = tools is not None or any("tool_calls" in t or t["role"] == "tool" for t in turns)
     source = jinja_template(model) if with_tools else None
-    bos = model.special_text("bos")
+    bos_written = False  # a Jinja template that writes the BOS itself must not get a second one from the tokenizer
     try:
         if source is not None:
+            bos = model.special_text("bos")
             text = render_jinja(source, turns, tools=tools, add_generation_prompt=generation, bos_token=bos,
                                 eos_token=model.special_text("eos"))
+            bos_written = bool(bos) and text.startswith(bos)
         else:
             plain = _fallback_turns(turns, tools) if with_tools else turns
             text = apply_chat_template(model, plain, add_generation_prompt=generation)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
-    # a Jinja template that writes the BOS itself must not get a second one from the tokenizer
-    return text_tokens(model, text, limit=limit, param="messages", add_special=not (bos and text.startswith(bos)))
+    return text_tokens(model, text, limit=limit, param="messages", add_special=not bos_written)
 
 
 def tools_of(body: ChatBody) -> list[dict[str, Any]] | None:

@@ -188,8 +188,8 @@ class OpenAIServer:
     ``request_timeout_s`` (if set) is every request's deadline; the tokens of the latest
     ``remember`` completions are kept for ``/v1/kvrt/fork``; a request body over
     ``max_input_bytes`` is answered 413; with ``api_key`` every route but ``/health`` needs it as a
-    bearer token; a stream that has sent nothing for ``sse_keepalive_s`` (waiting in the queue, or for its
-    first token) gets an SSE comment, ``: keep-alive``.
+    bearer token; a stream whose request has produced nothing for ``sse_keepalive_s`` (waiting in the
+    queue, or for its first token) gets an SSE comment, ``: keep-alive``.
     """
 
     def __init__(self, engines: Mapping[str, Engine], *, default_max_tokens: int = 512,
@@ -442,7 +442,8 @@ class OpenAIServer:
         record: RequestRecord = request.state.kvrt
         record.model = body.model
         bridge = Bridge(self._waker())
-        stream = self._submit(engine, lambda: engine.submit(job, notify=bridge.notify), job)
+        grammar_field = "tools" if tools is not None and tools.grammar is not None else "response_format"
+        stream = self._submit(engine, lambda: engine.submit(job, notify=bridge.notify), job, grammar_field)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         shaper = Shaper(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), body.model, engine.model, job.n,
                         logprobs is not None, tokens=kind == "text" and body.return_tokens,
@@ -457,8 +458,10 @@ class OpenAIServer:
         self._remember(shaper.id, body.model, prompt, result.choices)
         return JSONResponse(shaper.response(result))
 
-    def _submit(self, engine: Engine, submit: Callable[[], RequestStream], job: Request | None) -> RequestStream:
-        """``submit()`` with the engine's refusals turned into HTTP errors."""
+    def _submit(self, engine: Engine, submit: Callable[[], RequestStream], job: Request | None,
+                grammar_field: str = "response_format") -> RequestStream:
+        """``submit()`` with the engine's refusals turned into HTTP errors (a grammar's named as ``grammar_field``,
+        the request field it came from)."""
         try:
             return submit()
         except RequestTooLarge as exc:
@@ -468,7 +471,7 @@ class OpenAIServer:
             raise ApiError(503, str(exc), kind="server_error", code="overloaded") from None
         except KvrtError as exc:  # a grammar llama.cpp refused, a token outside the vocabulary, ...
             grammar = job is not None and job.params.sampling.grammar is not None
-            raise ApiError(400, str(exc), param="response_format" if grammar else None) from None
+            raise ApiError(400, str(exc), param=grammar_field if grammar else None) from None
 
     async def _watching(self, request: HttpRequest, stream: RequestStream) -> asyncio.Task[None]:
         """A task that cancels ``stream`` when the client goes away."""

@@ -63,15 +63,15 @@ def call_grammar(tools: Sequence[Mapping[str, Any]], fmt: ToolFormat, *, only: s
     ``tools[i].function.parameters``) whichever tool the choice names.
     """
     builder = GrammarBuilder()
-    key = builder.literal(json.dumps(_ARGUMENT_KEYS[fmt]))
+    name_key, arguments_key = (builder.literal(json.dumps(k)) for k in ("name", _ARGUMENT_KEYS[fmt]))
     calls = []
     for i, tool in enumerate(tools):
         function = tool["function"]
         arguments = builder.add(function.get("parameters") or {"type": "object", "properties": {}}, f"tool-{i}-arguments",
                                 param=f"tools[{i}].function.parameters")
-        rule = builder.rule(f"tool-{i}-call", f'"{{" space {builder.literal(json.dumps("name"))} space ":" space '
+        rule = builder.rule(f"tool-{i}-call", f'"{{" space {name_key} space ":" space '
                                               f'{builder.literal(json.dumps(function["name"]))} space "," space '
-                                              f'{key} space ":" space {arguments} "}}" space')
+                                              f'{arguments_key} space ":" space {arguments} "}}" space')
         if only is None or function["name"] == only:
             calls.append(rule)
     call = builder.rule("tool-call", " | ".join(calls))
@@ -158,7 +158,8 @@ class CallSplitter:
     Invariant: what :meth:`feed` returned plus what :meth:`finish` returns as content is the
     whole text, less the calls it found. A marker split across tokens is held back until it
     is known not to be one; leading whitespace is held until it is known whether a JSON call
-    follows it.
+    follows it, and output that opens with ``{`` or ``[`` is held whole (it may be a plain JSON
+    call) and passed on at the end if it is not one.
     """
 
     def __init__(self, names: frozenset[str]) -> None:
