@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import http.client
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,24 +38,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def served(tools_model_path: Path) -> Iterator[dict[str, Any]]:
-    from kvrt.engine.model import Model
-
-    model = Model(tools_model_path)
-    engine = Engine(model, EngineConfig(n_ctx=2048, n_seq_max=4, n_batch=128, flash_attn="off"))
-    server = OpenAIServer({"tiny-tools": engine}, default_max_tokens=48)
-    host, port = server.start("127.0.0.1", 0)
-    try:
-        yield {"url": f"http://{host}:{port}", "model": model, "host": host, "port": port}
-    finally:
-        server.stop()
-        engine.close()
-        model.close()
-
-
-@pytest.fixture(scope="module")
-def client(served) -> Any:
-    return openai.OpenAI(base_url=served["url"] + "/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
+def client(tools_server) -> Any:
+    return openai.OpenAI(base_url=tools_server["url"] + "/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
 
 
 def chat(client, **kwargs: Any) -> Any:
@@ -121,7 +104,7 @@ def test_streamed_call_deltas_add_up_to_the_unstreamed_answer(client):
     assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
-def test_a_tool_loop_history_is_rendered_by_the_models_template(client, served):
+def test_a_tool_loop_history_is_rendered_by_the_models_template(client, tools_server):
     """Assistant calls with null content and the tool's answer go through the GGUF's Jinja template: the
     prompt is the tokens jinja2 renders for the same history."""
     first = chat(client, tools=TOOLS, tool_choice="required", temperature=0, parallel_tool_calls=False)
@@ -130,15 +113,15 @@ def test_a_tool_loop_history_is_rendered_by_the_models_template(client, served):
                {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
     answer = chat(client, messages=history, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=8)
     assert answer.choices[0].message.tool_calls is None
-    assert answer.usage.prompt_tokens == len(rendered_tokens(served["model"], history, None))
+    assert answer.usage.prompt_tokens == len(rendered_tokens(tools_server["model"], history, None))
     auto = chat(client, messages=history, tools=TOOLS, temperature=0, max_tokens=8)
-    assert auto.usage.prompt_tokens == len(rendered_tokens(served["model"], history, TOOLS))
+    assert auto.usage.prompt_tokens == len(rendered_tokens(tools_server["model"], history, TOOLS))
 
 
-def test_auto_passes_text_that_holds_no_call_through(client, served):
+def test_auto_passes_text_that_holds_no_call_through(client, tools_server):
     """Unforced, the noise the tiny model writes is content, exactly what the same prompt completes to."""
     response = chat(client, tools=TOOLS, temperature=0, max_tokens=24)
-    prompt = rendered_tokens(served["model"], ASK, TOOLS)
+    prompt = rendered_tokens(tools_server["model"], ASK, TOOLS)
     reference = client.completions.create(model="tiny-tools", prompt=prompt, max_tokens=24, temperature=0)
     assert response.choices[0].message.tool_calls is None
     assert response.choices[0].message.content == reference.choices[0].text
@@ -188,10 +171,10 @@ def test_bad_tool_input_is_a_400_naming_the_field(client, extra, param):
     assert after.choices[0].finish_reason == "tool_calls"  # nothing else disturbed
 
 
-def test_a_waiting_stream_gets_keep_alives(served, tools_model_path: Path):
+def test_a_waiting_stream_gets_keep_alives(tools_server):
     """One slot, busy with a long request: the second stream waits in the queue and is sent keep-alive comments
     before any output, then its answer as usual."""
-    engine = Engine(served["model"], EngineConfig(n_ctx=2048, n_seq_max=1, n_batch=64, flash_attn="off"))
+    engine = Engine(tools_server["model"], EngineConfig(n_ctx=2048, n_seq_max=1, n_batch=64, flash_attn="off"))
     server = OpenAIServer({"m": engine}, sse_keepalive_s=0.01)
     host, port = server.start("127.0.0.1", 0)
     try:

@@ -1,7 +1,7 @@
 """kvrt's OpenAI-compatible HTTP server: FastAPI routes over one batching engine per model.
 
-``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` speak
-OpenAI's wire format (SSE streaming with ``data: [DONE]``, ``n``, logprobs, stop,
+``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/responses``
+(with ``GET`` / ``DELETE /v1/responses/{id}``; see :mod:`kvrt.serve.responses`) speak OpenAI's wire format (SSE streaming with ``data: [DONE]``, ``n``, logprobs, stop,
 seed, penalties, ``response_format`` through the grammar sampler, usage with
 ``cached_tokens``; chat ``tools`` and ``tool_choice``: see :mod:`kvrt.serve.chat_prompt` and
 :mod:`kvrt.serve.tool_calls`); a stream with nothing to send yet gets ``: keep-alive``
@@ -102,6 +102,7 @@ from kvrt.serve.openai_schema import (
     pieces_text,
     text_tokens,
 )
+from kvrt.serve.responses import StoredResponse, chat_request, output_turn, response_object
 from kvrt.serve.sse import KEEPALIVE, Bridge, Waker, paced, sse
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
@@ -217,6 +218,7 @@ class OpenAIServer:
         self._remember_n = remember
         self._created = int(time.time())
         self._outputs: OrderedDict[str, tuple[str, list[list[int]]]] = OrderedDict()
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()  # /v1/responses with store
         self._pins: dict[str, tuple[str, str]] = {}  # public pin id -> (model, the engine's pin id)
         self._server: Any = None
         self._stopping = False  # stop_accepting() was called: /health says 503
@@ -238,6 +240,9 @@ class OpenAIServer:
         app.get("/v1/models/{model_id}")(self.get_model)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/v1/responses")(self.responses)
+        app.get("/v1/responses/{response_id}")(self.get_response)
+        app.delete("/v1/responses/{response_id}")(self.delete_response)
         app.post("/v1/kvrt/fork")(self.fork)
         app.post("/v1/kvrt/pins")(self.pin)
         app.delete("/v1/kvrt/pins/{pin_id}")(self.unpin)
@@ -299,13 +304,51 @@ class OpenAIServer:
         body = parse(ChatBody, await self._json(request))
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        engine, prompt, plan = await self._chat_prompt(body)
+        return await self._run(request, "chat", body, engine, prompt, body.max_completion_tokens or body.max_tokens,
+                               (body.top_logprobs or 0) if body.logprobs else None, plan)
+
+    async def _chat_prompt(self, body: ChatBody) -> tuple[Engine, list[int], ToolPlan | None]:
+        """A chat body's engine, prompt tokens and tool plan."""
         engine = self._engine(body.model)
         limit = await self._limit(body.model)
         plan = await self._off_loop(lambda: tool_plan(body, engine.model))
         prompt = await self._off_loop(lambda: chat_prompt(engine.model, body.messages, tools=tools_of(body),
                                                           limit=limit))
-        return await self._run(request, "chat", body, engine, prompt, body.max_completion_tokens or body.max_tokens,
-                               (body.top_logprobs or 0) if body.logprobs else None, plan)
+        return engine, prompt, plan
+
+    async def responses(self, request: HttpRequest) -> dict[str, Any]:
+        """``POST /v1/responses`` (see :mod:`kvrt.serve.responses`)."""
+        raw = await self._json(request)
+        if not isinstance(raw, Mapping):
+            raise ApiError(400, "the request body must be a JSON object")
+        previous = raw.get("previous_response_id")
+        earlier = self._stored_response(previous, "previous_response_id") if previous is not None else None
+        chat, conversation = chat_request(raw, earlier)
+        body = parse(ChatBody, chat)
+        engine, prompt, plan = await self._chat_prompt(body)
+        stream, bridge, shaper = self._start(request, "chat", body, engine, prompt, body.max_tokens, None, plan)
+        answer = shaper.response(await self._collect(request, stream, bridge))
+        response = response_object(raw, f"resp_{uuid.uuid4().hex}", answer)
+        if raw.get("store", True):
+            stored = StoredResponse(body.model, [*conversation, output_turn(answer)], response)
+            self._keep(self._responses, response["id"], stored)
+        return response
+
+    async def get_response(self, response_id: str) -> dict[str, Any]:
+        return self._stored_response(response_id, "response_id").response
+
+    async def delete_response(self, response_id: str) -> dict[str, Any]:
+        self._stored_response(response_id, "response_id")
+        del self._responses[response_id]
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    def _stored_response(self, response_id: Any, param: str) -> StoredResponse:
+        stored = self._responses.get(response_id) if isinstance(response_id, str) else None
+        if stored is None:
+            raise ApiError(404, f"{param}: no stored response {response_id!r} (the latest {self._remember_n} with "
+                                "store true are kept)", kind="not_found_error", param=param, code="response_not_found")
+        return stored
 
     async def fork(self, request: HttpRequest) -> Response:
         body = parse(ForkBody, await self._json(request))
@@ -431,6 +474,22 @@ class OpenAIServer:
 
     async def _run(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
                    max_tokens: int | None, logprobs: int | None, tools: ToolPlan | None = None) -> Response:
+        stream, bridge, shaper = self._start(request, kind, body, engine, prompt, max_tokens, logprobs, tools)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = paced(bridge.events(stream), self.sse_keepalive_s)
+            first = await self._admitted(request, stream, events)  # a refusal is still an HTTP error here
+            return StreamingResponse(self._stream(stream, events, first, shaper, usage, record=request.state.kvrt),
+                                     media_type="text/event-stream")
+        result = await self._collect(request, stream, bridge)
+        self._remember(shaper.id, body.model, prompt, result.choices)
+        return JSONResponse(shaper.response(result))
+
+    def _start(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
+               max_tokens: int | None, logprobs: int | None,
+               tools: ToolPlan | None) -> tuple[RequestStream, Bridge, Shaper]:
+        """Submit ``body``'s request for ``prompt``: its event stream, the bridge that wakes its reader, and the
+        shaper of its answer."""
         try:
             job = engine_request(body, prompt, n_cells=engine.n_cells, n_vocab=engine.model.n_vocab,
                                  max_tokens=max_tokens, default_max_tokens=self.default_max_tokens, logprobs=logprobs,
@@ -448,15 +507,7 @@ class OpenAIServer:
         shaper = Shaper(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), body.model, engine.model, job.n,
                         logprobs is not None, tokens=kind == "text" and body.return_tokens,
                         tools=tools.names if tools is not None else None)
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = paced(bridge.events(stream), self.sse_keepalive_s)
-            first = await self._admitted(request, stream, events)  # a refusal is still an HTTP error here
-            return StreamingResponse(self._stream(stream, events, first, shaper, usage, record),
-                                     media_type="text/event-stream")
-        result = await self._collect(request, stream, bridge)
-        self._remember(shaper.id, body.model, prompt, result.choices)
-        return JSONResponse(shaper.response(result))
+        return stream, bridge, shaper
 
     def _submit(self, engine: Engine, submit: Callable[[], RequestStream], job: Request | None,
                 grammar_field: str = "response_format") -> RequestStream:
@@ -567,9 +618,13 @@ class OpenAIServer:
             stream.cancel()
 
     def _remember(self, completion_id: str, model: str, prompt: list[int], choices: list[ChoiceResult]) -> None:
-        self._outputs[completion_id] = (model, [list(prompt) + c.tokens for c in choices])
-        while len(self._outputs) > self._remember_n:
-            self._outputs.popitem(last=False)
+        self._keep(self._outputs, completion_id, (model, [list(prompt) + c.tokens for c in choices]))
+
+    def _keep(self, kept: OrderedDict[str, _T], key: str, value: _T) -> None:
+        """``kept[key] = value``, the oldest entries dropped beyond ``remember``."""
+        kept[key] = value
+        while len(kept) > self._remember_n:
+            kept.popitem(last=False)
 
     # -- serving --------------------------------------------------------------------------
     def start(self, host: str = "127.0.0.1", port: int = 0, *, wait_s: float = 30.0) -> tuple[str, int]:
