@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # the serve extra's imports wait until --http is used
     from kvrt.state.hostpool import HostPool
 
 DESCRIPTION = """With --http HOST:PORT, serve one or more GGUF models over HTTP with OpenAI's
-API: /v1/models, /v1/completions and /v1/chat/completions (streaming, n, logprobs, stop, seed,
+API: /v1/models, /v1/completions, /v1/responses and /v1/chat/completions (streaming, n, logprobs, stop, seed,
 penalties, JSON output through response_format, tools and tool_choice: calls parsed from the output,
 forced ones constrained to their schemas). Any OpenAI client or agent framework works: point its base URL
 at http://HOST:PORT/v1. Each model gets one llama.cpp context whose sequences are decoded

@@ -36,7 +36,11 @@ FALLBACK_TOOLS = ("You may call functions to help with the user's request. Their
 @dataclass(frozen=True)
 class ToolPlan:
     """What a chat request's output is read for: calls of the tools ``names``; ``grammar`` (``required`` or a
-    named ``tool_choice``) constrains the output to calls, else it is free text parsed afterwards."""
+    named ``tool_choice``) constrains the output to calls, else it is free text parsed afterwards.
+
+    A forced choice's grammar replaces ``response_format``'s, as with OpenAI (the output is calls, and a text
+    format governs text); unforced, ``response_format`` constrains the whole output, so no call comes then.
+    """
 
     names: frozenset[str]
     grammar: str | None
@@ -62,9 +66,6 @@ def tool_plan(body: ChatBody, model: Model) -> ToolPlan | None:
         raise ApiError(400, f"tool_choice.function.name: no tool is named {only!r}; the tools are {names}",
                        param="tool_choice.function.name", code="unknown_tool")
     forced = choice == "required" or only is not None
-    if forced and body.response_format is not None and body.response_format.type != "text":
-        raise ApiError(400, "response_format: a forced tool_choice already constrains the output to tool calls",
-                       param="response_format")
     grammar = call_grammar(_tools(body), tool_format(jinja_template(model)), only=only,
                            parallel=body.parallel_tool_calls)
     return None if choice == "none" else ToolPlan(frozenset(names), grammar if forced else None)
