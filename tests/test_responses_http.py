@@ -96,6 +96,7 @@ def test_stored_responses_are_retrieved_deleted_and_unstored_ones_are_not_kept(c
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content"),
     ({"input": []}, "input"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
     ({"input": "hi", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
      "tool_choice.function.name"),
 ])

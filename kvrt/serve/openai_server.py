@@ -1,8 +1,9 @@
 """kvrt's OpenAI-compatible HTTP server: FastAPI routes over one batching engine per model.
 
 ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/responses``
-(with ``GET`` / ``DELETE /v1/responses/{id}``; see :mod:`kvrt.serve.responses`) speak OpenAI's wire format (SSE streaming with ``data: [DONE]``, ``n``, logprobs, stop,
-seed, penalties, ``response_format`` through the grammar sampler, usage with
+(with ``GET`` / ``DELETE /v1/responses/{id}``; see :mod:`kvrt.serve.responses`) speak OpenAI's wire
+format (SSE streaming with ``data: [DONE]``, ``n``, logprobs, stop, seed, penalties,
+``response_format`` through the grammar sampler, usage with
 ``cached_tokens``; chat ``tools`` and ``tool_choice``: see :mod:`kvrt.serve.chat_prompt` and
 :mod:`kvrt.serve.tool_calls`); a stream with nothing to send yet gets ``: keep-alive``
 comments every ``sse_keepalive_s``; errors are ``{"error": {"message", "type", "param", "code"}}``
@@ -80,8 +81,8 @@ from kvrt.engine.requests import (
 )
 from kvrt.errors import KvrtError
 from kvrt.serve.api_error import ApiError
-from kvrt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvrt.serve.chat_prompt import ToolPlan, chat_prompt, tool_plan, tools_of
+from kvrt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvrt.serve.metrics import RequestRecord, ServerMetrics
 from kvrt.serve.openai_format import Kind, Shaper
 from kvrt.serve.openai_schema import (

@@ -28,6 +28,7 @@ from kvrt.serve.api_error import ApiError
 _RENAMED = {"max_output_tokens": "max_tokens"}
 _SHARED = ("model", "temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "min_p", "stop")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_ROLES = ("user", "assistant", "system", "developer")
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,10 @@ def _messages(given: Any) -> list[dict[str, Any]]:
             raise ApiError(400, f"{where}: an item is an object", param=where)
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append({"role": "system" if item.get("role") == "developer" else item.get("role"),
+            role = item.get("role")
+            if role not in _ROLES:
+                raise ApiError(400, f"{where}.role: one of {', '.join(_ROLES)}, got {role!r}", param=f"{where}.role")
+            messages.append({"role": "system" if role == "developer" else role,
                              "content": _text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
@@ -143,7 +147,7 @@ def _tool_choice(choice: Any) -> Any:
 def output_turn(answer: Mapping[str, Any]) -> dict[str, Any]:
     """The assistant turn a chat completion answered, as the conversation's next message."""
     message = answer["choices"][0]["message"]
-    turn = {"role": "assistant", "content": message["content"]}
+    turn = {"role": "assistant", "content": message["content"] or ""}  # an empty answer is still a turn
     return turn | {"tool_calls": message["tool_calls"]} if message.get("tool_calls") else turn
 
 
