@@ -68,12 +68,42 @@ def test_instructions_belong_to_their_own_request(client, tools_server):
     assert second.usage.input_tokens == len(model.tokenize(apply_chat_template(model, history), parse_special=True))
 
 
+VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_a_streamed_response_is_the_unstreamed_one_in_events(client, forced):
+    """The SDK's stream helper accumulates the events (and refuses any out of order); the response it ends with
+    has the unstreamed response's output, and each item's deltas add up to it. Both outputs are constrained, so
+    the noise of the tiny model ends (the helper takes only completed responses)."""
+    kwargs: dict[str, Any] = dict(input=ASK, max_output_tokens=160)
+    if forced:
+        kwargs |= dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    else:
+        kwargs |= dict(text={"format": {"type": "json_schema", "name": "verdict", "schema": VERDICT}})
+    whole = respond(client, **kwargs)
+    with client.responses.stream(model="tiny-tools", temperature=0, **kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [e.type for e in events]
+    assert types[:2] == ["response.created", "response.in_progress"] and types[-1] == f"response.{whole.status}"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert [(i.type, i.status) for i in final.output] == [(i.type, i.status) for i in whole.output]
+    if forced:
+        assert (final.output[0].name, final.output[0].arguments) == (whole.output[0].name, whole.output[0].arguments)
+        deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    else:
+        deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert final.output_text == whole.output_text
+    assert deltas == (final.output[0].arguments if forced else final.output_text)
+    stored = client.responses.retrieve(final.id)  # stored as streamed: the same items
+    assert final.id == events[0].response.id and [i.id for i in stored.output] == [i.id for i in final.output]
+
+
 def test_json_output_through_text_format(client):
-    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-              "additionalProperties": False}
     response = respond(client, input=ASK, max_output_tokens=40,
-                       text={"format": {"type": "json_schema", "name": "verdict", "schema": schema}})
-    jsonschema.validate(json.loads(response.output_text), schema)
+                       text={"format": {"type": "json_schema", "name": "verdict", "schema": VERDICT}})
+    jsonschema.validate(json.loads(response.output_text), VERDICT)
 
 
 def test_stored_responses_are_retrieved_deleted_and_unstored_ones_are_not_kept(client):
@@ -90,7 +120,6 @@ def test_stored_responses_are_retrieved_deleted_and_unstored_ones_are_not_kept(c
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"input": "hi", "stream": True}, "stream"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"input": [{"type": "function_call", "name": "get_weather", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),

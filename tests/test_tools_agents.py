@@ -6,8 +6,8 @@ choice to ``auto`` once a tool has run) and the agent's typed output makes the S
 JSON of its schema, which kvrt's grammar guarantees, so the second turn ends. What is
 checked is the loop's structure: the tool ran with arguments its schema accepts, its result
 went back to the model in the next request, and the run ended with a final answer the SDK
-validated. Through chat completions (unstreamed and streamed: the SDK assembles streamed
-tool-call deltas itself) and through the Responses API.
+validated. Through chat completions and through the Responses API, each unstreamed and
+streamed (the SDK assembles streamed tool calls from their deltas or events itself).
 """
 
 from __future__ import annotations
@@ -80,8 +80,9 @@ def test_an_agent_calls_a_tool_and_answers(base_url, tools_model_path, api):
     check_loop(result, calls)
 
 
-def test_a_streamed_agent_run_assembles_the_call_from_deltas(base_url, tools_model_path):
-    agent, calls = weather_agent(base_url, tools_model_path.stem)
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_a_streamed_agent_run_assembles_the_call_from_deltas(base_url, tools_model_path, api):
+    agent, calls = weather_agent(base_url, tools_model_path.stem, api)
 
     async def run() -> agents.RunResultStreaming:
         streamed = agents.Runner.run_streamed(agent, "What is the weather in Lima?", max_turns=4)

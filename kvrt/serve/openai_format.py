@@ -24,7 +24,8 @@ from kvrt.engine.model import Model
 from kvrt.engine.requests import ChoiceEnd, ChoiceResult, RequestEnd, RequestResult, TokenEvent, TokenLogprob
 from kvrt.serve.tool_calls import CallSplitter, ToolCall, parse_calls
 
-FINISH = {"tool_calls": "tool_calls", "eog": "stop", "stop": "stop", "length": "length", "cancelled": "stop", "deadline": "deadline"}
+FINISH = {"tool_calls": "tool_calls", "eog": "stop", "stop": "stop", "length": "length", "cancelled": "stop",
+          "deadline": "deadline"}
 Kind = Literal["chat", "text"]
 
 

@@ -45,7 +45,7 @@ Model names are the GGUF files' stems.
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextlib
 import json
 import logging
 import socket
@@ -53,7 +53,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from typing import Any, TypeVar
@@ -82,6 +82,7 @@ from kvrt.engine.requests import (
 from kvrt.errors import KvrtError
 from kvrt.serve.api_error import ApiError
 from kvrt.serve.chat_prompt import ToolPlan, chat_prompt, tool_plan, tools_of
+from kvrt.serve.http_middleware import Observe, RequireKey
 from kvrt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvrt.serve.metrics import RequestRecord, ServerMetrics
 from kvrt.serve.openai_format import Kind, Shaper
@@ -103,7 +104,8 @@ from kvrt.serve.openai_schema import (
     pieces_text,
     text_tokens,
 )
-from kvrt.serve.responses import StoredResponse, chat_request, output_turn, response_object
+from kvrt.serve.responses import StoredResponse, chat_request, output_items, output_turn, response_object
+from kvrt.serve.responses_stream import ResponseEvents
 from kvrt.serve.sse import KEEPALIVE, Bridge, Waker, paced, sse
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
@@ -113,66 +115,16 @@ DEFAULT_SSE_KEEPALIVE_S = 15.0  # under the 30-60 s idle timeouts of common prox
 log = logging.getLogger("kvrt.serve.http")  # one info line per answered request (kvrt -v serve shows them)
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key (a load balancer's probe has none)
 _T = TypeVar("_T")
+Chunks = AsyncGenerator[dict[str, Any] | None, None]  # a stream's chunks; None: a keep-alive is due
 
 
-class _RequireKey:
-    """ASGI middleware: every path but ``open_paths`` needs ``Authorization: Bearer <key>`` (else 401).
-
-    Plain ASGI rather than Starlette's ``BaseHTTPMiddleware``, which would sit between the
-    routes and their client's disconnects and streamed bodies.
-    """
-
-    def __init__(self, app: Any, key: str, open_paths: frozenset[str]) -> None:
-        self.app, self._key, self._open = app, key.encode("utf-8"), open_paths
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in self._open:
-            refusal = self._refusal(dict(scope["headers"]).get(b"authorization"))
-            if refusal is not None:
-                response = JSONResponse(refusal.body(), status_code=refusal.status,
-                                        headers={"www-authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _refusal(self, header: bytes | None) -> ApiError | None:
-        """None when ``header`` carries the key; else the 401 saying whether a key was missing or wrong."""
-        scheme, _, given = (header or b"").partition(b" ")
-        if header is None or scheme.lower() != b"bearer" or not given.strip():
-            message = "no API key: send it as 'Authorization: Bearer <key>'"
-        elif hmac.compare_digest(given.strip(), self._key):
-            return None
-        else:
-            message = "the API key in the Authorization header is not this server's (kvrt serve --api-key)"
-        return ApiError(401, message, code="invalid_api_key")
-
-
-class _Observe:
-    """ASGI middleware: gives each request a :class:`RequestRecord` (``request.state.kvrt``) for its route
-    to fill in, and hands it with the status to ``done(method, path, status, record)`` once the answer
-    is sent (a stream's last chunk included)."""
-
-    def __init__(self, app: Any, done: Callable[[str, str, int, RequestRecord], None]) -> None:
-        self.app, self._done = app, done
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        record = RequestRecord()
-        scope.setdefault("state", {})["kvrt"] = record
-        status = 500  # what the client gets if the app raises before answering
-
-        async def sending(message: Any) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sending)
-        finally:
-            self._done(scope["method"], scope["path"], status, record)
+async def _chat_sse(chunks: Chunks) -> AsyncIterator[str]:
+    """A chat stream's SSE text: its chunks as ``data:`` events, keep-alives, ``data: [DONE]`` last (closed early,
+    it closes ``chunks`` at once, which cancels the request)."""
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            yield KEEPALIVE if chunk is None else sse(chunk)
+    yield "data: [DONE]\n\n"
 
 
 def _note(record: RequestRecord, event: Event) -> None:
@@ -233,8 +185,8 @@ class OpenAIServer:
         app.add_exception_handler(ApiError, self._on_api_error)  # type: ignore[arg-type]
         app.add_exception_handler(HTTPException, self._on_http_error)  # type: ignore[arg-type]
         if self._api_key is not None:
-            app.add_middleware(_RequireKey, key=self._api_key, open_paths=OPEN_PATHS)
-        app.add_middleware(_Observe, done=self._answered)  # outermost: refusals of the key are counted too
+            app.add_middleware(RequireKey, key=self._api_key, open_paths=OPEN_PATHS)
+        app.add_middleware(Observe, done=self._answered)  # outermost: refusals of the key are counted too
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
         app.get("/v1/models")(self.list_models)
@@ -318,7 +270,7 @@ class OpenAIServer:
                                                           limit=limit))
         return engine, prompt, plan
 
-    async def responses(self, request: HttpRequest) -> dict[str, Any]:
+    async def responses(self, request: HttpRequest) -> Response:
         """``POST /v1/responses`` (see :mod:`kvrt.serve.responses`)."""
         raw = await self._json(request)
         if not isinstance(raw, Mapping):
@@ -329,12 +281,39 @@ class OpenAIServer:
         body = parse(ChatBody, chat)
         engine, prompt, plan = await self._chat_prompt(body)
         stream, bridge, shaper = self._start(request, "chat", body, engine, prompt, body.max_tokens, None, plan)
+        response_id, store = f"resp_{uuid.uuid4().hex}", raw.get("store", True)
+        if raw.get("stream"):
+            writer = ResponseEvents(raw, response_id, int(time.time()))
+            chunks = await self._chunks(request, stream, bridge, shaper, usage=True)
+            return StreamingResponse(self._response_sse(writer, chunks, conversation if store else None),
+                                     media_type="text/event-stream")
         answer = shaper.response(await self._collect(request, stream, bridge))
-        response = response_object(raw, f"resp_{uuid.uuid4().hex}", answer)
-        if raw.get("store", True):
-            stored = StoredResponse(body.model, [*conversation, output_turn(answer)], response)
-            self._keep(self._responses, response["id"], stored)
-        return response
+        choice = answer["choices"][0]
+        response = response_object(raw, response_id, answer["created"], output_items(choice["message"]),
+                                   finish_reason=choice["finish_reason"], usage=answer["usage"])
+        if store:
+            self._store_response(conversation, response)
+        return JSONResponse(response)
+
+    async def _response_sse(self, writer: ResponseEvents, chunks: Chunks,
+                            conversation: list[dict[str, Any]] | None) -> AsyncIterator[str]:
+        """A streamed response's SSE text; the finished response is stored when ``conversation`` is given."""
+        for event in writer.opening():
+            yield event
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                if chunk is None:
+                    yield KEEPALIVE
+                    continue
+                for event in writer.feed(chunk):
+                    yield event
+        if writer.response is not None and conversation is not None:
+            self._store_response(conversation, writer.response)
+
+    def _store_response(self, conversation: list[dict[str, Any]], response: dict[str, Any]) -> None:
+        """Keep ``response`` for ``previous_response_id`` and ``GET``: the conversation it ended, its output last."""
+        stored = StoredResponse(response["model"], [*conversation, output_turn(response["output"])], response)
+        self._keep(self._responses, response["id"], stored)
 
     async def get_response(self, response_id: str) -> dict[str, Any]:
         return self._stored_response(response_id, "response_id").response
@@ -478,10 +457,8 @@ class OpenAIServer:
         stream, bridge, shaper = self._start(request, kind, body, engine, prompt, max_tokens, logprobs, tools)
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = paced(bridge.events(stream), self.sse_keepalive_s)
-            first = await self._admitted(request, stream, events)  # a refusal is still an HTTP error here
-            return StreamingResponse(self._stream(stream, events, first, shaper, usage, record=request.state.kvrt),
-                                     media_type="text/event-stream")
+            chunks = await self._chunks(request, stream, bridge, shaper, usage)
+            return StreamingResponse(_chat_sse(chunks), media_type="text/event-stream")
         result = await self._collect(request, stream, bridge)
         self._remember(shaper.id, body.model, prompt, result.choices)
         return JSONResponse(shaper.response(result))
@@ -579,10 +556,19 @@ class OpenAIServer:
             self._raise_refusal(last.error)
         return first
 
+    async def _chunks(self, request: HttpRequest, stream: RequestStream, bridge: Bridge, shaper: Shaper,
+                      usage: bool) -> Chunks:
+        """A streamed request's chunks, once it was admitted (a refusal before its first output or keep-alive is
+        raised here as an HTTP error); see :meth:`_stream`."""
+        events = paced(bridge.events(stream), self.sse_keepalive_s)
+        first = await self._admitted(request, stream, events)
+        return self._stream(stream, events, first, shaper, usage, request.state.kvrt)
+
     async def _stream(self, stream: RequestStream, events: AsyncIterator[Event | None], first: list[Event | None],
-                      shaper: Shaper, usage: bool, record: RequestRecord) -> AsyncIterator[str]:
-        """SSE chunks as tokens arrive (``first``: those already taken from ``events``; ``None``: a keep-alive is
-        due); leaving early (a disconnect) cancels the request."""
+                      shaper: Shaper, usage: bool, record: RequestRecord) -> Chunks:
+        """Chat chunks as tokens arrive (``first``: the events already taken from ``events``), an error body if
+        the request failed, and ``None`` where a keep-alive is due; leaving early (a disconnect) cancels the
+        request."""
         collector = ResultCollector(stream.request.n)
 
         async def everything() -> AsyncIterator[Event | None]:
@@ -595,26 +581,25 @@ class OpenAIServer:
         try:
             opening = shaper.role_chunk()
             if opening is not None:
-                yield sse(opening)
+                yield opening
             async for event in everything():
                 if event is None:
-                    yield KEEPALIVE
+                    yield None
                     continue
                 _note(record, event)
                 collector.add(event)
                 if isinstance(event, TokenEvent):
                     for chunk in shaper.token_chunks(event):
-                        yield sse(chunk)
+                        yield chunk
                 elif isinstance(event, ChoiceEnd):
                     for chunk in shaper.end_chunks(event):
-                        yield sse(chunk)
+                        yield chunk
                 elif event.error is not None:
-                    yield sse(ApiError(500, f"the request failed: {event.error}", kind="server_error").body())
+                    yield ApiError(500, f"the request failed: {event.error}", kind="server_error").body()
                 else:
                     self._remember(shaper.id, shaper.model_name, list(stream.request.prompt), collector.choices)
                     if usage:
-                        yield sse(shaper.usage_chunk(event))
-            yield "data: [DONE]\n\n"
+                        yield shaper.usage_chunk(event)
         finally:
             stream.cancel()
 

@@ -11,8 +11,9 @@ conversation. Rendered again by the same template the continued conversation beg
 the earlier request's prompt, whose cells the engine still holds as a cached prefix: only
 what is new (the earlier answer as the template writes it, and the new input) is prefilled.
 ``instructions`` belong to their own request only (OpenAI's rule: they are not carried on).
-``text.format`` (``json_object``, ``json_schema``) is chat's ``response_format``. Not served,
-each a 400 naming it: streaming, built-in tools (web search, ...), item references.
+``text.format`` (``json_object``, ``json_schema``) is chat's ``response_format``; a stream is
+written by :mod:`kvrt.serve.responses_stream`. Not served, each a 400 naming it: built-in tools
+(web search, ...), item references.
 """
 
 from __future__ import annotations
@@ -43,9 +44,6 @@ class StoredResponse:
 def chat_request(raw: Mapping[str, Any], earlier: StoredResponse | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The chat completions body that Responses body ``raw`` asks for, and the conversation it continues
     (``earlier``'s, then this request's input; without the instructions)."""
-    if raw.get("stream"):
-        raise ApiError(400, "stream: kvrt's /v1/responses answers whole responses; stream from /v1/chat/completions",
-                       param="stream", code="unsupported_parameter")
     if earlier is not None and raw.get("model") != earlier.model:
         raise ApiError(400, f"model: the previous response was made by {earlier.model!r}", param="model")
     conversation = [*(earlier.conversation if earlier else []), *_messages(raw.get("input"))]
@@ -144,38 +142,50 @@ def _tool_choice(choice: Any) -> Any:
     return choice
 
 
-def output_turn(answer: Mapping[str, Any]) -> dict[str, Any]:
-    """The assistant turn a chat completion answered, as the conversation's next message."""
-    message = answer["choices"][0]["message"]
-    turn = {"role": "assistant", "content": message["content"] or ""}  # an empty answer is still a turn
-    return turn | {"tool_calls": message["tool_calls"]} if message.get("tool_calls") else turn
+def output_items(message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A chat answer's message as Responses output items: a ``message`` with its text, then each call."""
+    items = [message_item(message["content"])] if message["content"] else []
+    return items + [call_item(call["id"], call["function"]["name"], call["function"]["arguments"])
+                    for call in message.get("tool_calls") or []]
 
 
-def response_object(raw: Mapping[str, Any], response_id: str, answer: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``response`` for request ``raw`` whose chat completion was ``answer``."""
-    choice = answer["choices"][0]
-    message, usage = choice["message"], answer["usage"]
-    output: list[dict[str, Any]] = []
-    if message["content"]:
-        output.append({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "completed",
-                       "role": "assistant",
-                       "content": [{"type": "output_text", "text": message["content"], "annotations": []}]})
-    for call in message.get("tool_calls") or []:
-        output.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
-                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
-                       "status": "completed"})
-    cut = choice["finish_reason"] == "length"
+def message_item(text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def output_turn(output: list[dict[str, Any]]) -> dict[str, Any]:
+    """A response's output items as the conversation's next (assistant) message; an empty answer is still a turn."""
+    text = "".join(part["text"] for item in output if item["type"] == "message" for part in item["content"])
+    calls = [{"id": item["call_id"], "type": "function", "function": {"name": item["name"],
+                                                                      "arguments": item["arguments"]}}
+             for item in output if item["type"] == "function_call"]
+    return {"role": "assistant", "content": text} | ({"tool_calls": calls} if calls else {})
+
+
+def response_object(raw: Mapping[str, Any], response_id: str, created: int, output: list[dict[str, Any]], *,
+                    finish_reason: str | None, usage: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ``response`` for request ``raw`` with ``output`` items: in progress while ``finish_reason`` is None,
+    then completed, or incomplete when cut by its token limit; ``usage`` is the chat answer's."""
+    status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
     return {
-        "id": response_id, "object": "response", "created_at": answer["created"], "model": answer["model"],
-        "status": "incomplete" if cut else "completed", "error": None,
-        "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "output": output,
+        "id": response_id, "object": "response", "created_at": created, "model": raw.get("model"),
+        "status": status, "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None, "output": output,
         "instructions": raw.get("instructions"), "previous_response_id": raw.get("previous_response_id"),
         "store": raw.get("store", True), "tools": raw.get("tools") or [], "tool_choice": raw.get("tool_choice", "auto"),
         "parallel_tool_calls": raw.get("parallel_tool_calls", True), "temperature": raw.get("temperature", 1.0),
         "top_p": raw.get("top_p", 1.0), "max_output_tokens": raw.get("max_output_tokens"),
-        "text": raw.get("text") or {"format": {"type": "text"}}, "truncation": "disabled", "metadata": raw.get("metadata") or {},
-        "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-                  "total_tokens": usage["total_tokens"],
-                  "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
-                  "output_tokens_details": {"reasoning_tokens": 0}},
+        "text": raw.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
+        "metadata": raw.get("metadata") or {},
+        "usage": None if usage is None else {
+            "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+            "total_tokens": usage["total_tokens"],
+            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens_details": {"reasoning_tokens": 0}},
     }

@@ -89,6 +89,7 @@ async def paced(events: AsyncIterator[Event], interval_s: float) -> AsyncIterato
         pending.cancel()
 
 
-def sse(obj: Mapping[str, Any]) -> str:
-    """One SSE ``data:`` event carrying ``obj`` as compact JSON."""
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+def sse(obj: Mapping[str, Any], event: str | None = None) -> str:
+    """One SSE event carrying ``obj`` as compact JSON (``event``: its SSE event name, as the Responses API sends)."""
+    named = f"event: {event}\n" if event is not None else ""
+    return f"{named}data: {json.dumps(obj, separators=(',', ':'))}\n\n"
