@@ -7,7 +7,9 @@ same kernel tests run on CI (simulated) and on the GPU machine (real).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -47,6 +49,36 @@ def other_tiny_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from kvrt.modelfiles.testmodels import write_model
 
     return write_model(tmp_path_factory.mktemp("models") / "tiny-seed1.gguf", "tiny", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tools_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's weights with a Jinja chat template that teaches tools (Hermes ``<tool_call>`` blocks in
+    ChatML turns, as Qwen 2.5's does): ``tests/chat_templates/hermes_tools.jinja``."""
+    from kvrt.modelfiles.testmodels import write_model
+
+    template = (Path(__file__).parent / "chat_templates" / "hermes_tools.jinja").read_text()
+    return write_model(tmp_path_factory.mktemp("models") / "tiny-tools.gguf", "tiny", seed=0, chat_template=template)
+
+
+@pytest.fixture(scope="module")
+def tools_server(tools_model_path: Path) -> Iterator[dict[str, Any]]:
+    """kvrt's OpenAI server in-process on the tools test model (4 slots of 512 cells), as ``{"url", "model"}``;
+    the model is served as ``tiny-tools``."""
+    from kvrt.engine.batching import Engine, EngineConfig
+    from kvrt.engine.model import Model
+    from kvrt.serve.openai_server import OpenAIServer
+
+    model = Model(tools_model_path)
+    engine = Engine(model, EngineConfig(n_ctx=2048, n_seq_max=4, n_batch=128, flash_attn="off"))
+    server = OpenAIServer({"tiny-tools": engine}, default_max_tokens=48)
+    host, port = server.start("127.0.0.1", 0)
+    try:
+        yield {"url": f"http://{host}:{port}", "model": model}
+    finally:
+        server.stop()
+        engine.close()
+        model.close()
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
-from kvrt.serve.openai_server import _Waker  # noqa: E402
+from kvrt.serve.sse import Waker  # noqa: E402
 
 
 def test_events_set_from_another_thread_wake_the_loop_once_and_are_all_set():
@@ -24,7 +24,7 @@ def test_events_set_from_another_thread_wake_the_loop_once_and_are_all_set():
             return original(callback, *args)
 
         loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
-        waker = _Waker(loop)
+        waker = Waker(loop)
         flags = [asyncio.Event() for _ in range(40)]
         setter = threading.Thread(target=lambda: [waker.set_soon(flag) for flag in flags])
         setter.start()
@@ -41,7 +41,7 @@ def test_events_set_from_another_thread_wake_the_loop_once_and_are_all_set():
 
 def test_many_threads_setting_events_while_the_loop_runs_lose_none():
     async def main() -> list[asyncio.Event]:
-        waker = _Waker(asyncio.get_running_loop())
+        waker = Waker(asyncio.get_running_loop())
         flags = [asyncio.Event() for _ in range(400)]
         threads = [threading.Thread(target=lambda part=flags[i::4]: [waker.set_soon(f) for f in part])
                    for i in range(4)]

@@ -252,7 +252,7 @@ def test_errors_are_openai_shaped(client, served):
     assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
     status, body = http_json("POST", served["url"] + "/v1/chat/completions", {"model": demo, "messages": chat,
                                                                             "tools": [{"type": "function"}]})
-    assert status == 400 and body["error"]["param"] == "tools"
+    assert status == 400 and body["error"]["param"] == "tools[0].function"  # a tool without its function
 
 
 def test_client_disconnect_cancels_the_request(served):

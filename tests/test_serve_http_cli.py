@@ -7,6 +7,7 @@ JSON schema, refuses a bad address or both fronts at once, and exits 0 on SIGTER
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -26,11 +27,11 @@ WAIT_S = 120.0
 KVRT = [sys.executable, "-m", "kvrt.cli"]
 
 
-@pytest.fixture(scope="module")
-def server(demo_model_path: Path) -> Iterator[str]:
-    """``kvrt serve --http 127.0.0.1:0`` on the demo model; yields its base URL."""
-    proc = subprocess.Popen([*KVRT, "serve", "--http", "127.0.0.1:0", "--model", str(demo_model_path),
-                             "--n-ctx", "2048", "--slots", "2", "--threads", "1"],
+@contextlib.contextmanager
+def serving(*options: str) -> Iterator[str]:
+    """``kvrt serve --http 127.0.0.1:0 OPTIONS...`` as a process; yields its base URL, then stops it with SIGTERM
+    and checks it exits 0."""
+    proc = subprocess.Popen([*KVRT, "serve", "--http", "127.0.0.1:0", *options],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline() if proc.stdout else ""
@@ -42,6 +43,13 @@ def server(demo_model_path: Path) -> Iterator[str]:
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=WAIT_S) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
+
+
+@pytest.fixture(scope="module")
+def server(demo_model_path: Path) -> Iterator[str]:
+    """``kvrt serve --http`` on the demo model; yields its base URL."""
+    with serving("--model", str(demo_model_path), "--n-ctx", "2048", "--slots", "2", "--threads", "1") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@ if TYPE_CHECKING:  # the serve extra's imports wait until --http is used
     from kvrt.state.hostpool import HostPool
 
 DESCRIPTION = """With --http HOST:PORT, serve one or more GGUF models over HTTP with OpenAI's
-API: /v1/models, /v1/completions and /v1/chat/completions (streaming, n, logprobs, stop, seed,
-penalties, JSON output through response_format). Any OpenAI client works: point its base URL
+API: /v1/models, /v1/completions, /v1/responses and /v1/chat/completions (streaming, n, logprobs, stop, seed,
+penalties, JSON output through response_format, tools and tool_choice: calls parsed from the output,
+forced ones constrained to their schemas). Any OpenAI client or agent framework works: point its base URL
 at http://HOST:PORT/v1. Each model gets one llama.cpp context whose sequences are decoded
 together, one batch per step, so many requests share the machine; a prompt that starts like an
 earlier one reuses that one's cached cells and only the rest is computed. kvrt's own routes:
@@ -52,6 +53,9 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                        help="largest request body in bytes; larger ones get HTTP 413 before they are read whole")
     group.add_argument("--api-key", metavar="KEY", default=None,
                        help="require 'Authorization: Bearer KEY' on every route but /health (none: no key needed)")
+    group.add_argument("--sse-keepalive-s", type=seconds(zero=False), default=15.0,
+                       help="send a streamed request an SSE comment (': keep-alive') after this many seconds without "
+                            "output: while it waits in the queue or for its first token, so proxies keep it open")
     group.add_argument("--request-timeout-s", type=seconds(zero=False), default=argparse.SUPPRESS,
                        help="end any request after this many seconds, finish_reason 'deadline' (none: no limit)")
 
@@ -120,7 +124,8 @@ def start_http(args: argparse.Namespace) -> HttpFront:
             engines[name] = Engine(models[-1], config, host_alloc=host.acquire)
         server = OpenAIServer(engines, default_max_tokens=args.max_tokens,
                               request_timeout_s=getattr(args, "request_timeout_s", None),
-                              max_input_bytes=args.max_input_bytes, api_key=args.api_key)
+                              max_input_bytes=args.max_input_bytes, api_key=args.api_key,
+                              sse_keepalive_s=args.sse_keepalive_s)
         address = server.start(host_name, port)  # an address it cannot listen on: KvrtError, one line
     except BaseException:
         _free(engines, models, host)

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvrt._handle import NativeHandle, OwnsHandle
 from kvrt.bindings import capture, explain, ffi, lib
@@ -330,6 +330,12 @@ class Model(OwnsHandle):
             buf = ffi.new("char[]", size)
             n = lib().llama_detokenize(self.vocab, arr, len(tokens), buf, size, remove_special, unparse_special)
         return bytes(ffi.buffer(buf, max(n, 0))).decode("utf-8", "replace")
+
+    def special_text(self, which: Literal["bos", "eos"]) -> str:
+        """The text of the BOS or EOS token ("" when the vocabulary has none): what chat templates call
+        ``bos_token`` / ``eos_token``."""
+        token = int((lib().llama_vocab_bos if which == "bos" else lib().llama_vocab_eos)(self.vocab))
+        return self.token_to_piece(token, special=True).decode("utf-8", "replace") if token >= 0 else ""
 
     def is_eog(self, token: int) -> bool:
         """True for end-of-generation tokens (EOS, EOT, ...)."""

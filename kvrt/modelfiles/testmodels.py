@@ -134,8 +134,10 @@ def write_model(
     *,
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
+    chat_template: str | None = None,
 ) -> Path:
-    """Write the GGUF for ``preset`` to ``path`` (atomically) and return the path."""
+    """Write the GGUF for ``preset`` to ``path`` (atomically) and return the path; ``chat_template`` (Jinja
+    source) becomes its ``tokenizer.chat_template``."""
     import gguf
 
     shape = PRESETS[preset] if isinstance(preset, str) else preset
@@ -166,6 +168,8 @@ def write_model(
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
     specs = _tensor_specs(shape)
     weights = _Weights(seed, dtype)

@@ -7,6 +7,13 @@ to OpenAI's: end-of-generation and stops are ``stop``, ``length`` stays; a reque
 by the server's deadline says ``deadline`` (not an OpenAI value). With ``tokens`` (the
 ``return_tokens`` extension, text completions) every choice and chunk also carries the
 token ids it holds as ``tokens``, as llama.cpp's server does.
+
+With ``tools`` (a chat request's tool names) each choice's text is read for tool calls
+(:mod:`kvrt.serve.tool_calls`): found, they become the message's ``tool_calls`` (its content
+what came before them, or null) and the finish reason ``tool_calls``. Streamed, text passes on
+as it comes until a call may have begun and is held from there; at the choice's end each
+call is sent in OpenAI's delta shape: its index, id, type and name with empty arguments,
+then its arguments.
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from kvrt.engine.model import Model
-from kvrt.engine.requests import ChoiceResult, RequestEnd, RequestResult, TokenLogprob
+from kvrt.engine.requests import ChoiceEnd, ChoiceResult, RequestEnd, RequestResult, TokenEvent, TokenLogprob
+from kvrt.serve.tool_calls import CallSplitter, ToolCall, parse_calls
 
-FINISH = {"eog": "stop", "stop": "stop", "length": "length", "cancelled": "stop", "deadline": "deadline"}
+FINISH = {"tool_calls": "tool_calls", "eog": "stop", "stop": "stop", "length": "length", "cancelled": "stop",
+          "deadline": "deadline"}
 Kind = Literal["chat", "text"]
 
 
@@ -24,10 +33,11 @@ class Shaper:
     """OpenAI objects for one request: ``kind`` chat or text, ``logprobs`` whether to include them."""
 
     def __init__(self, kind: Kind, request_id: str, created: int, model_name: str, model: Model, n: int,
-                 logprobs: bool, tokens: bool = False) -> None:
+                 logprobs: bool, tokens: bool = False, tools: frozenset[str] | None = None) -> None:
         self.kind, self.id, self.created, self.model_name = kind, request_id, created, model_name
-        self.model, self.n, self.logprobs, self.tokens = model, n, logprobs, tokens
+        self.model, self.n, self.logprobs, self.tokens, self.tools = model, n, logprobs, tokens, tools
         self._offsets = [0] * n  # text completions: characters before each choice's next token
+        self._splitters = [CallSplitter(tools) for _ in range(n)] if tools is not None else None
 
     # -- pieces -----------------------------------------------------------------------
     def _piece(self, token: int) -> tuple[str, list[int]]:
@@ -92,6 +102,30 @@ class Shaper:
                 choice["tokens"] = [] if token is None else [token]
         return self._envelope([choice], chunk=True)
 
+    def token_chunks(self, event: TokenEvent) -> list[dict[str, Any]]:
+        """The chunks one token's event makes (none when it adds no text, logprob or token id, or its text is
+        held as a possible tool call)."""
+        text = event.text if self._splitters is None else self._splitters[event.index].feed(event.text)
+        if text or event.logprob is not None or self.tokens:
+            return [self.chunk(event.index, text, event.logprob, token=event.token)]
+        return []
+
+    def end_chunks(self, event: ChoiceEnd) -> list[dict[str, Any]]:
+        """A choice's last chunks: the text it still held, its tool calls, its finish reason."""
+        text, reason = event.rest, event.finish_reason
+        calls: list[ToolCall] = []
+        if self._splitters is not None:
+            held = self._splitters[event.index].feed(event.rest)
+            rest, calls = self._splitters[event.index].finish()
+            text, reason = held + rest, "tool_calls" if calls else reason
+        out = [self.chunk(event.index, text)] if text else []
+        for k, call in enumerate(calls):
+            opening = {"index": k, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            for delta in (opening, {"index": k, "function": {"arguments": call.arguments}}):
+                out.append(self._envelope([{"index": event.index, "delta": {"tool_calls": [delta]}, "logprobs": None,
+                                            "finish_reason": None}], chunk=True))
+        return out + [self.chunk(event.index, "", finish_reason=reason)]
+
     def usage_chunk(self, end: RequestEnd) -> dict[str, Any]:
         return {**self._envelope([], chunk=True), "usage": self.usage(end)}
 
@@ -104,7 +138,13 @@ class Shaper:
         reason = FINISH.get(choice.finish_reason or "length", choice.finish_reason)
         lps = self._logprobs(index, choice.logprobs)
         if self.kind == "chat":
-            message = {"role": "assistant", "content": choice.text, "refusal": None}
+            message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
+            parsed = parse_calls(choice.text, self.tools) if self.tools is not None else None
+            if parsed is not None:
+                content, calls = parsed
+                message |= {"content": content if content.strip() else None,
+                            "tool_calls": [call.openai() for call in calls]}
+                reason = "tool_calls"
             return {"index": index, "message": message, "logprobs": lps, "finish_reason": reason}
         out = {"index": index, "text": choice.text, "logprobs": lps, "finish_reason": reason}
         return out | {"tokens": list(choice.tokens)} if self.tokens else out

@@ -16,7 +16,10 @@ choice's token ids beside its text, so a client can continue a completion
 token-exactly. ``logit_bias`` (token id -> [-100, 100]) is added to those tokens' logits by
 llama.cpp's logit-bias sampler before any other stage. ``response_format`` ``json_object`` / ``json_schema``
 constrain the output through llama.cpp's grammar sampler, the schema converted to
-GBNF by llama-cpp-python's converter.
+GBNF by llama-cpp-python's converter (:mod:`kvrt.serve.json_grammar`). Chat bodies take
+``tools`` / ``tool_choice`` / ``parallel_tool_calls`` and messages with ``tool_calls`` (each
+call's ``arguments`` JSON text of an object) or ``tool_call_id``; what they mean together is
+checked in :mod:`kvrt.serve.chat_prompt`.
 """
 
 from __future__ import annotations
@@ -29,13 +32,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from kvrt.engine.chat import ChatTemplateError, apply_chat_template
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.model import Model
 from kvrt.engine.requests import MAX_LOGPROBS, Request
 from kvrt.engine.sampling import MAX_SEED, SamplingParams
+from kvrt.serve.api_error import ApiError
 
-UNSUPPORTED = ("tools", "functions", "function_call", "suffix", "audio", "modalities", "prediction")
+UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "modalities", "prediction")
 # Sampling parameters of llama-server / vLLM / text-generation-webui that kvrt's sampler does not implement, with
 # the value that asks for nothing (what clients send when they always send every field); any other value is a 400
 # naming them all rather than an output sampled differently from what was asked. No neutral value: None.
@@ -55,18 +58,6 @@ TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 KEYED_FIELDS = frozenset({"logit_bias"})  # objects whose keys are data: a 400 names the key (logit_bias.50256)
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]  # OpenAI's range
-
-
-class ApiError(Exception):
-    """An OpenAI-shaped error: HTTP ``status`` and the ``{"error": {...}}`` body's fields."""
-
-    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 class _Strict(BaseModel):
@@ -137,9 +128,63 @@ class ForkBody(_Body):
     return_tokens: bool = False
 
 
+FunctionName = Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]  # OpenAI's rule
+
+
+class FunctionCallBody(_Strict):
+    """A function call in an assistant message of the history: ``arguments`` is JSON text of an object."""
+
+    name: str = Field(min_length=1)
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value)
+        except ValueError as exc:
+            raise PydanticCustomError("invalid_arguments", f"must be JSON text of an object ({exc})") from None
+        if not isinstance(parsed, dict):
+            raise PydanticCustomError("invalid_arguments", "must be JSON text of an object, got "
+                                      f"{type(parsed).__name__}")
+        return value
+
+
+class ToolCallBody(_Strict):
+    id: str = Field(min_length=1)
+    type: Literal["function"] = "function"
+    function: FunctionCallBody
+
+
+class FunctionBody(_Strict):
+    """A tool's function: ``parameters`` is its arguments' JSON schema (none: it takes no arguments)."""
+
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolBody(_Strict):
+    type: Literal["function"]
+    function: FunctionBody
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessageBody(_Strict):
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallBody] | None = None  # an assistant's calls (content may then be null)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatBody(_Body):
@@ -147,6 +192,9 @@ class ChatBody(_Body):
     max_completion_tokens: TokenCount | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolBody] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class PinBody(_Strict):
@@ -273,7 +321,8 @@ def _same(value: Any, neutral: object) -> bool:
 def _field_names(kind: type[_Strict], loc: Sequence[Any]) -> set[str]:
     """Every field name of the models along ``loc`` (to drop pydantic's union-member labels)."""
     names: set[str] = set()
-    for model in (kind, ChatMessageBody, StreamOptions, ResponseFormat, JsonSchemaFormat):
+    for model in (kind, ChatMessageBody, StreamOptions, ResponseFormat, JsonSchemaFormat, ToolCallBody,
+                  FunctionCallBody, ToolBody, FunctionBody, NamedToolChoice, NamedFunction):
         names.update(model.model_fields)
     return names & {str(p) for p in loc}
 
@@ -305,27 +354,6 @@ def longest_piece(model: Model) -> int:
                       for t in range(model.n_vocab)))
 
 
-def chat_prompt(model: Model, messages: Sequence[ChatMessageBody], *, generation: bool = True,
-                limit: tuple[int, int] | None = None) -> list[int]:
-    """Tokens of ``messages`` rendered by the model's chat template (special-token text parsed)."""
-    rendered = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if isinstance(content, list):
-            if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported",
-                               param=f"messages[{i}].content")
-            content = "".join(part["text"] for part in content)
-        if content is None:
-            raise ApiError(400, f"messages[{i}].content is required", param=f"messages[{i}].content")
-        rendered.append({"role": message.role, "content": content})
-    try:
-        text = apply_chat_template(model, rendered, add_generation_prompt=generation)
-    except ChatTemplateError as exc:
-        raise ApiError(400, str(exc), param="messages") from None
-    return text_tokens(model, text, limit=limit, param="messages")
-
-
 def completion_prompt(model: Model, prompt: str | list[Any], *, limit: tuple[int, int] | None = None) -> list[int]:
     """Tokens of a completions ``prompt``: text (special-token text parsed) or token ids; one prompt only.
 
@@ -351,7 +379,7 @@ def grammar_of(response_format: ResponseFormat | None) -> str | None:
     """GBNF for ``response_format`` (``None`` for plain text)."""
     if response_format is None or response_format.type == "text":
         return None
-    from llama_cpp.llama_grammar import json_schema_to_gbnf
+    from kvrt.serve.json_grammar import schema_grammar
 
     schema: dict[str, Any] = {"type": "object"}
     if response_format.type == "json_schema":
@@ -359,71 +387,7 @@ def grammar_of(response_format: ResponseFormat | None) -> str | None:
             raise ApiError(400, "response_format.json_schema is required for type json_schema",
                            param="response_format.json_schema")
         schema = response_format.json_schema.schema_ or schema
-    schema = _local_refs(schema)
-    try:
-        return json_schema_to_gbnf(json.dumps(schema))
-    except Exception as exc:  # the converter raises plain exceptions for schemas it cannot express
-        raise ApiError(400, f"response_format: the JSON schema cannot be converted to a grammar ({exc})",
-                       param="response_format") from None
-
-
-_ROOT_DEF = "kvrt-root"
-
-
-def _local_refs(schema: dict[str, Any]) -> dict[str, Any]:
-    """``schema`` with its ``$ref`` recursion in the shape llama-cpp-python's converter follows.
-
-    The converter resolves ``#/...`` references but never looks inside the node that holds a
-    ``$ref``: a root that is itself a reference (``{"$ref": "#/$defs/node", "$defs": ...}``) left
-    the definitions' own references unresolved (a bare ``KeyError`` came back), and ``"#"`` (the
-    whole document) it refuses. Here the root's reference moves into an ``anyOf`` of one, ``"#"``
-    becomes a reference to a copy of the root under ``$defs``, and every reference must be local
-    and resolve; anything else is a 400 that names the reference.
-    """
-    refs: list[str] = []
-    stack: list[Any] = [schema]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if ref is not None:
-                refs.append(ref)
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    if not refs:
-        return schema
-    for ref in refs:
-        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
-            raise ApiError(400, f"response_format: $ref {ref!r} is not supported: only local references (\"#\" or "
-                                "\"#/...\" into the schema itself) are", param="response_format",
-                           code="unsupported_schema")
-    schema = json.loads(json.dumps(schema))  # a copy to rewrite
-    if "#" in refs:
-        body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
-        schema = {**{k: v for k, v in schema.items() if k in ("$defs", "definitions")}, "$ref": f"#/$defs/{_ROOT_DEF}"}
-        schema.setdefault("$defs", {})[_ROOT_DEF] = body
-        stack = [schema]
-        while stack:
-            node = stack.pop()
-            if isinstance(node, dict):
-                if node.get("$ref") == "#":
-                    node["$ref"] = f"#/$defs/{_ROOT_DEF}"
-                stack.extend(node.values())
-            elif isinstance(node, list):
-                stack.extend(node)
-    for ref in {r for r in refs if r != "#"}:
-        target: Any = schema
-        for part in ref[2:].split("/"):
-            part = part.replace("~1", "/").replace("~0", "~")
-            if not isinstance(target, dict) or part not in target:
-                raise ApiError(400, f"response_format: $ref {ref!r} does not resolve (no {part!r} there)",
-                               param="response_format", code="invalid_schema")
-            target = target[part]
-    if "$ref" in schema:
-        ref = schema.pop("$ref")
-        schema["anyOf"] = [{"$ref": ref}]
-    return schema
+    return schema_grammar(schema, param="response_format")
 
 
 def logit_bias_pairs(bias: Mapping[str, float] | None, n_vocab: int) -> tuple[tuple[int, float], ...]:
@@ -439,11 +403,12 @@ def logit_bias_pairs(bias: Mapping[str, float] | None, n_vocab: int) -> tuple[tu
 
 
 def engine_request(body: _Body, prompt: list[int], *, n_cells: int, n_vocab: int, max_tokens: int | None,
-                   default_max_tokens: int, logprobs: int | None) -> Request:
+                   default_max_tokens: int, logprobs: int | None, grammar: str | None = None) -> Request:
     """The engine's :class:`Request` for a validated body.
 
     ``max_tokens`` None: ``default_max_tokens`` or whatever still fits the context beside
-    the prompt and the other choices, whichever is smaller.
+    the prompt and the other choices, whichever is smaller. ``grammar`` (forced tool calls)
+    replaces ``response_format``'s.
     """
     if max_tokens is None:
         max_tokens = max(1, min(default_max_tokens, (n_cells - len(prompt)) // body.n))
@@ -454,7 +419,8 @@ def engine_request(body: _Body, prompt: list[int], *, n_cells: int, n_vocab: int
         temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
         seed=(secrets.randbelow(MAX_SEED + 1) if body.seed is None else body.seed),
         repeat_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
-        presence_penalty=body.presence_penalty, penalty_last_n=max_tokens, grammar=grammar_of(body.response_format),
+        presence_penalty=body.presence_penalty, penalty_last_n=max_tokens,
+        grammar=grammar if grammar is not None else grammar_of(body.response_format),
         logit_bias=logit_bias_pairs(body.logit_bias, n_vocab))
     params = GenerationParams(max_tokens=max_tokens, stop=tuple(stops), sampling=sampling, ignore_eos=body.ignore_eos)
     return Request(prompt, params, n=body.n, stop_token_ids=frozenset(body.stop_token_ids), logprobs=logprobs)

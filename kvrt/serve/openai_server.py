@@ -1,9 +1,12 @@
 """kvrt's OpenAI-compatible HTTP server: FastAPI routes over one batching engine per model.
 
-``GET /v1/models``, ``POST /v1/completions`` and ``POST /v1/chat/completions`` speak
-OpenAI's wire format (SSE streaming with ``data: [DONE]``, ``n``, logprobs, stop,
-seed, penalties, ``response_format`` through the grammar sampler, usage with
-``cached_tokens``); errors are ``{"error": {"message", "type", "param", "code"}}``
+``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/responses``
+(with ``GET`` / ``DELETE /v1/responses/{id}``; see :mod:`kvrt.serve.responses`) speak OpenAI's wire
+format (SSE streaming with ``data: [DONE]``, ``n``, logprobs, stop, seed, penalties,
+``response_format`` through the grammar sampler, usage with
+``cached_tokens``; chat ``tools`` and ``tool_choice``: see :mod:`kvrt.serve.chat_prompt` and
+:mod:`kvrt.serve.tool_calls`); a stream with nothing to send yet gets ``: keep-alive``
+comments every ``sse_keepalive_s``; errors are ``{"error": {"message", "type", "param", "code"}}``
 with 400 for bad input naming the field, 404 for an unknown model, 503 when an
 engine's queue is full. kvrt's own routes live under ``/v1/kvrt/``:
 
@@ -42,7 +45,7 @@ Model names are the GGUF files' stems.
 from __future__ import annotations
 
 import asyncio
-import hmac
+import contextlib
 import json
 import logging
 import socket
@@ -50,7 +53,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from typing import Any, TypeVar
@@ -77,20 +80,21 @@ from kvrt.engine.requests import (
     TokenEvent,
 )
 from kvrt.errors import KvrtError
+from kvrt.serve.api_error import ApiError
+from kvrt.serve.chat_prompt import ToolPlan, chat_prompt, tool_plan, tools_of
+from kvrt.serve.http_middleware import Observe, RequireKey
 from kvrt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvrt.serve.metrics import RequestRecord, ServerMetrics
 from kvrt.serve.openai_format import Kind, Shaper
 from kvrt.serve.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_JSON_DEPTH,
-    ApiError,
     ChatBody,
     CompletionBody,
     DetokenizeBody,
     ForkBody,
     PinBody,
     TokenizeBody,
-    chat_prompt,
     check_json,
     check_vocab,
     completion_prompt,
@@ -100,124 +104,27 @@ from kvrt.serve.openai_schema import (
     pieces_text,
     text_tokens,
 )
+from kvrt.serve.responses import StoredResponse, chat_request, output_items, output_turn, response_object
+from kvrt.serve.responses_stream import ResponseEvents
+from kvrt.serve.sse import KEEPALIVE, Bridge, Waker, paced, sse
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 DEFAULT_MAX_INPUT_BYTES = 4 << 20  # a request body's bytes (a 10 MB chat message froze every client for seconds)
 TOKENIZER_THREADS = 2
+DEFAULT_SSE_KEEPALIVE_S = 15.0  # under the 30-60 s idle timeouts of common proxies and load balancers
 log = logging.getLogger("kvrt.serve.http")  # one info line per answered request (kvrt -v serve shows them)
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key (a load balancer's probe has none)
 _T = TypeVar("_T")
+Chunks = AsyncGenerator[dict[str, Any] | None, None]  # a stream's chunks; None: a keep-alive is due
 
 
-class _Waker:
-    """Sets asyncio events of one loop from the engine's thread, waking the loop once for all the events due
-    since its last wake: a step that streams a token to each of N requests costs one wake-up of the loop (one
-    write to its self-pipe), not N.
-
-    Invariant: a wake is scheduled whenever ``_due`` is not empty (the first event added schedules it; the wake
-    empties the list under the lock before setting the events).
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._due: list[asyncio.Event] = []
-
-    def set_soon(self, flag: asyncio.Event) -> None:
-        with self._lock:
-            self._due.append(flag)
-            if len(self._due) > 1:  # a wake is already scheduled
-                return
-        try:
-            self.loop.call_soon_threadsafe(self._wake)
-        except RuntimeError:  # the loop is closed: nobody listens any more
-            pass
-
-    def _wake(self) -> None:
-        with self._lock:
-            due, self._due = self._due, []
-        for flag in due:
-            flag.set()
-
-
-class _Bridge:
-    """Wakes one asyncio task from the engine's thread whenever its request has new events."""
-
-    def __init__(self, waker: _Waker) -> None:
-        self._waker = waker
-        self._flag = asyncio.Event()
-
-    def notify(self) -> None:
-        self._waker.set_soon(self._flag)
-
-    async def events(self, stream: RequestStream) -> AsyncIterator[Event]:
-        while True:
-            self._flag.clear()
-            while (event := stream.poll()) is not None:
-                yield event
-                if isinstance(event, RequestEnd):
-                    return
-            await self._flag.wait()
-
-
-class _RequireKey:
-    """ASGI middleware: every path but ``open_paths`` needs ``Authorization: Bearer <key>`` (else 401).
-
-    Plain ASGI rather than Starlette's ``BaseHTTPMiddleware``, which would sit between the
-    routes and their client's disconnects and streamed bodies.
-    """
-
-    def __init__(self, app: Any, key: str, open_paths: frozenset[str]) -> None:
-        self.app, self._key, self._open = app, key.encode("utf-8"), open_paths
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] not in self._open:
-            refusal = self._refusal(dict(scope["headers"]).get(b"authorization"))
-            if refusal is not None:
-                response = JSONResponse(refusal.body(), status_code=refusal.status,
-                                        headers={"www-authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _refusal(self, header: bytes | None) -> ApiError | None:
-        """None when ``header`` carries the key; else the 401 saying whether a key was missing or wrong."""
-        scheme, _, given = (header or b"").partition(b" ")
-        if header is None or scheme.lower() != b"bearer" or not given.strip():
-            message = "no API key: send it as 'Authorization: Bearer <key>'"
-        elif hmac.compare_digest(given.strip(), self._key):
-            return None
-        else:
-            message = "the API key in the Authorization header is not this server's (kvrt serve --api-key)"
-        return ApiError(401, message, code="invalid_api_key")
-
-
-class _Observe:
-    """ASGI middleware: gives each request a :class:`RequestRecord` (``request.state.kvrt``) for its route
-    to fill in, and hands it with the status to ``done(method, path, status, record)`` once the answer
-    is sent (a stream's last chunk included)."""
-
-    def __init__(self, app: Any, done: Callable[[str, str, int, RequestRecord], None]) -> None:
-        self.app, self._done = app, done
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        record = RequestRecord()
-        scope.setdefault("state", {})["kvrt"] = record
-        status = 500  # what the client gets if the app raises before answering
-
-        async def sending(message: Any) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sending)
-        finally:
-            self._done(scope["method"], scope["path"], status, record)
+async def _chat_sse(chunks: Chunks) -> AsyncIterator[str]:
+    """A chat stream's SSE text: its chunks as ``data:`` events, keep-alives, ``data: [DONE]`` last (closed early,
+    it closes ``chunks`` at once, which cancels the request)."""
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            yield KEEPALIVE if chunk is None else sse(chunk)
+    yield "data: [DONE]\n\n"
 
 
 def _note(record: RequestRecord, event: Event) -> None:
@@ -228,10 +135,6 @@ def _note(record: RequestRecord, event: Event) -> None:
         record.end(event)
 
 
-def _sse(obj: Mapping[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
-
 class OpenAIServer:
     """The HTTP front over ``engines`` (model name -> engine); the engines stay the caller's to close.
 
@@ -239,23 +142,28 @@ class OpenAIServer:
     ``request_timeout_s`` (if set) is every request's deadline; the tokens of the latest
     ``remember`` completions are kept for ``/v1/kvrt/fork``; a request body over
     ``max_input_bytes`` is answered 413; with ``api_key`` every route but ``/health`` needs it as a
-    bearer token.
+    bearer token; a stream whose request has produced nothing for ``sse_keepalive_s`` (waiting in the
+    queue, or for its first token) gets an SSE comment, ``: keep-alive``.
     """
 
     def __init__(self, engines: Mapping[str, Engine], *, default_max_tokens: int = 512,
                  request_timeout_s: float | None = None, remember: int = 1024,
-                 max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES, api_key: str | None = None) -> None:
+                 max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES, api_key: str | None = None,
+                 sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S) -> None:
         if not engines:
             raise KvrtError("the OpenAI server needs at least one model")
         if isinstance(max_input_bytes, bool) or not isinstance(max_input_bytes, int) or max_input_bytes < 1:
             raise KvrtError(f"max_input_bytes must be a positive integer, got {max_input_bytes!r}")
         if api_key is not None and (not api_key or api_key != api_key.strip()):
             raise KvrtError("api_key must be non-empty, without leading or trailing spaces")
+        if not sse_keepalive_s > 0:
+            raise KvrtError(f"sse_keepalive_s must be a positive number of seconds, got {sse_keepalive_s!r}")
         self.max_input_bytes = max_input_bytes
+        self.sse_keepalive_s = sse_keepalive_s
         self._api_key = api_key
         self._tokenizer = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvrt-tokenize")
         self.engines = dict(engines)
-        self._loop_waker: _Waker | None = None
+        self._loop_waker: Waker | None = None
         self._pieces = {name: self._tokenizer.submit(longest_piece, engine.model)  # model name -> its longest
                         for name, engine in self.engines.items()}                  # token's bytes (a vocab pass)
         self.default_max_tokens = default_max_tokens
@@ -263,6 +171,7 @@ class OpenAIServer:
         self._remember_n = remember
         self._created = int(time.time())
         self._outputs: OrderedDict[str, tuple[str, list[list[int]]]] = OrderedDict()
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()  # /v1/responses with store
         self._pins: dict[str, tuple[str, str]] = {}  # public pin id -> (model, the engine's pin id)
         self._server: Any = None
         self._stopping = False  # stop_accepting() was called: /health says 503
@@ -276,14 +185,17 @@ class OpenAIServer:
         app.add_exception_handler(ApiError, self._on_api_error)  # type: ignore[arg-type]
         app.add_exception_handler(HTTPException, self._on_http_error)  # type: ignore[arg-type]
         if self._api_key is not None:
-            app.add_middleware(_RequireKey, key=self._api_key, open_paths=OPEN_PATHS)
-        app.add_middleware(_Observe, done=self._answered)  # outermost: refusals of the key are counted too
+            app.add_middleware(RequireKey, key=self._api_key, open_paths=OPEN_PATHS)
+        app.add_middleware(Observe, done=self._answered)  # outermost: refusals of the key are counted too
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
         app.get("/v1/models")(self.list_models)
         app.get("/v1/models/{model_id}")(self.get_model)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/v1/responses")(self.responses)
+        app.get("/v1/responses/{response_id}")(self.get_response)
+        app.delete("/v1/responses/{response_id}")(self.delete_response)
         app.post("/v1/kvrt/fork")(self.fork)
         app.post("/v1/kvrt/pins")(self.pin)
         app.delete("/v1/kvrt/pins/{pin_id}")(self.unpin)
@@ -345,11 +257,78 @@ class OpenAIServer:
         body = parse(ChatBody, await self._json(request))
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        engine, prompt, plan = await self._chat_prompt(body)
+        return await self._run(request, "chat", body, engine, prompt, body.max_completion_tokens or body.max_tokens,
+                               (body.top_logprobs or 0) if body.logprobs else None, plan)
+
+    async def _chat_prompt(self, body: ChatBody) -> tuple[Engine, list[int], ToolPlan | None]:
+        """A chat body's engine, prompt tokens and tool plan."""
         engine = self._engine(body.model)
         limit = await self._limit(body.model)
-        prompt = await self._off_loop(lambda: chat_prompt(engine.model, body.messages, limit=limit))
-        return await self._run(request, "chat", body, engine, prompt, body.max_completion_tokens or body.max_tokens,
-                               (body.top_logprobs or 0) if body.logprobs else None)
+        plan = await self._off_loop(lambda: tool_plan(body, engine.model))
+        prompt = await self._off_loop(lambda: chat_prompt(engine.model, body.messages, tools=tools_of(body),
+                                                          limit=limit))
+        return engine, prompt, plan
+
+    async def responses(self, request: HttpRequest) -> Response:
+        """``POST /v1/responses`` (see :mod:`kvrt.serve.responses`)."""
+        raw = await self._json(request)
+        if not isinstance(raw, Mapping):
+            raise ApiError(400, "the request body must be a JSON object")
+        previous = raw.get("previous_response_id")
+        earlier = self._stored_response(previous, "previous_response_id") if previous is not None else None
+        chat, conversation = chat_request(raw, earlier)
+        body = parse(ChatBody, chat)
+        engine, prompt, plan = await self._chat_prompt(body)
+        stream, bridge, shaper = self._start(request, "chat", body, engine, prompt, body.max_tokens, None, plan)
+        response_id, store = f"resp_{uuid.uuid4().hex}", raw.get("store", True)
+        if raw.get("stream"):
+            writer = ResponseEvents(raw, response_id, int(time.time()))
+            chunks = await self._chunks(request, stream, bridge, shaper, usage=True)
+            return StreamingResponse(self._response_sse(writer, chunks, conversation if store else None),
+                                     media_type="text/event-stream")
+        answer = shaper.response(await self._collect(request, stream, bridge))
+        choice = answer["choices"][0]
+        response = response_object(raw, response_id, answer["created"], output_items(choice["message"]),
+                                   finish_reason=choice["finish_reason"], usage=answer["usage"])
+        if store:
+            self._store_response(conversation, response)
+        return JSONResponse(response)
+
+    async def _response_sse(self, writer: ResponseEvents, chunks: Chunks,
+                            conversation: list[dict[str, Any]] | None) -> AsyncIterator[str]:
+        """A streamed response's SSE text; the finished response is stored when ``conversation`` is given."""
+        for event in writer.opening():
+            yield event
+        async with contextlib.aclosing(chunks):
+            async for chunk in chunks:
+                if chunk is None:
+                    yield KEEPALIVE
+                    continue
+                for event in writer.feed(chunk):
+                    yield event
+        if writer.response is not None and conversation is not None:
+            self._store_response(conversation, writer.response)
+
+    def _store_response(self, conversation: list[dict[str, Any]], response: dict[str, Any]) -> None:
+        """Keep ``response`` for ``previous_response_id`` and ``GET``: the conversation it ended, its output last."""
+        stored = StoredResponse(response["model"], [*conversation, output_turn(response["output"])], response)
+        self._keep(self._responses, response["id"], stored)
+
+    async def get_response(self, response_id: str) -> dict[str, Any]:
+        return self._stored_response(response_id, "response_id").response
+
+    async def delete_response(self, response_id: str) -> dict[str, Any]:
+        self._stored_response(response_id, "response_id")
+        del self._responses[response_id]
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    def _stored_response(self, response_id: Any, param: str) -> StoredResponse:
+        stored = self._responses.get(response_id) if isinstance(response_id, str) else None
+        if stored is None:
+            raise ApiError(404, f"{param}: no stored response {response_id!r} (the latest {self._remember_n} with "
+                                "store true are kept)", kind="not_found_error", param=param, code="response_not_found")
+        return stored
 
     async def fork(self, request: HttpRequest) -> Response:
         body = parse(ForkBody, await self._json(request))
@@ -381,7 +360,7 @@ class OpenAIServer:
                                       if body.prompt is not None
                                       else chat_prompt(engine.model, body.messages or [], generation=False,
                                                        limit=limit))
-        bridge = _Bridge(self._waker())
+        bridge = Bridge(self._waker())
         stream = self._submit(engine, lambda: engine.pin(tokens, notify=bridge.notify), None)
         result = await self._collect(request, stream, bridge)
         pin_id = f"pin-{uuid.uuid4().hex}"
@@ -414,11 +393,11 @@ class OpenAIServer:
         return {"content": await self._off_loop(lambda: pieces_text(model, body.tokens))}
 
     # -- the shared path ------------------------------------------------------------------
-    def _waker(self) -> _Waker:
+    def _waker(self) -> Waker:
         """The waker of the running loop (one per loop, made on first use)."""
         loop = asyncio.get_running_loop()
         if self._loop_waker is None or self._loop_waker.loop is not loop:
-            self._loop_waker = _Waker(loop)
+            self._loop_waker = Waker(loop)
         return self._loop_waker
 
     async def _off_loop(self, fn: Callable[[], _T]) -> _T:
@@ -474,33 +453,44 @@ class OpenAIServer:
         return next(iter(self.engines.values()))
 
     async def _run(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
-                   max_tokens: int | None, logprobs: int | None) -> Response:
+                   max_tokens: int | None, logprobs: int | None, tools: ToolPlan | None = None) -> Response:
+        stream, bridge, shaper = self._start(request, kind, body, engine, prompt, max_tokens, logprobs, tools)
+        if body.stream:
+            usage = bool(body.stream_options and body.stream_options.include_usage)
+            chunks = await self._chunks(request, stream, bridge, shaper, usage)
+            return StreamingResponse(_chat_sse(chunks), media_type="text/event-stream")
+        result = await self._collect(request, stream, bridge)
+        self._remember(shaper.id, body.model, prompt, result.choices)
+        return JSONResponse(shaper.response(result))
+
+    def _start(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
+               max_tokens: int | None, logprobs: int | None,
+               tools: ToolPlan | None) -> tuple[RequestStream, Bridge, Shaper]:
+        """Submit ``body``'s request for ``prompt``: its event stream, the bridge that wakes its reader, and the
+        shaper of its answer."""
         try:
             job = engine_request(body, prompt, n_cells=engine.n_cells, n_vocab=engine.model.n_vocab,
-                                 max_tokens=max_tokens, default_max_tokens=self.default_max_tokens, logprobs=logprobs)
+                                 max_tokens=max_tokens, default_max_tokens=self.default_max_tokens, logprobs=logprobs,
+                                 grammar=tools.grammar if tools is not None else None)
             if self.request_timeout_s is not None:
                 job = replace(job, deadline=time.monotonic() + self.request_timeout_s)
         except KvrtError as exc:
             raise ApiError(400, str(exc)) from None
         record: RequestRecord = request.state.kvrt
         record.model = body.model
-        bridge = _Bridge(self._waker())
-        stream = self._submit(engine, lambda: engine.submit(job, notify=bridge.notify), job)
+        bridge = Bridge(self._waker())
+        grammar_field = "tools" if tools is not None and tools.grammar is not None else "response_format"
+        stream = self._submit(engine, lambda: engine.submit(job, notify=bridge.notify), job, grammar_field)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         shaper = Shaper(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), body.model, engine.model, job.n,
-                        logprobs is not None, tokens=kind == "text" and body.return_tokens)
-        if body.stream:
-            usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = bridge.events(stream)
-            first = await self._admitted(request, stream, events)  # a refusal is still an HTTP error here
-            return StreamingResponse(self._stream(stream, events, first, shaper, usage, record),
-                                     media_type="text/event-stream")
-        result = await self._collect(request, stream, bridge)
-        self._remember(shaper.id, body.model, prompt, result.choices)
-        return JSONResponse(shaper.response(result))
+                        logprobs is not None, tokens=kind == "text" and body.return_tokens,
+                        tools=tools.names if tools is not None else None)
+        return stream, bridge, shaper
 
-    def _submit(self, engine: Engine, submit: Callable[[], RequestStream], job: Request | None) -> RequestStream:
-        """``submit()`` with the engine's refusals turned into HTTP errors."""
+    def _submit(self, engine: Engine, submit: Callable[[], RequestStream], job: Request | None,
+                grammar_field: str = "response_format") -> RequestStream:
+        """``submit()`` with the engine's refusals turned into HTTP errors (a grammar's named as ``grammar_field``,
+        the request field it came from)."""
         try:
             return submit()
         except RequestTooLarge as exc:
@@ -510,7 +500,7 @@ class OpenAIServer:
             raise ApiError(503, str(exc), kind="server_error", code="overloaded") from None
         except KvrtError as exc:  # a grammar llama.cpp refused, a token outside the vocabulary, ...
             grammar = job is not None and job.params.sampling.grammar is not None
-            raise ApiError(400, str(exc), param="response_format" if grammar else None) from None
+            raise ApiError(400, str(exc), param=grammar_field if grammar else None) from None
 
     async def _watching(self, request: HttpRequest, stream: RequestStream) -> asyncio.Task[None]:
         """A task that cancels ``stream`` when the client goes away."""
@@ -528,7 +518,7 @@ class OpenAIServer:
         if error is not None:
             raise ApiError(500, f"the request failed: {error}", kind="server_error")
 
-    async def _collect(self, request: HttpRequest, stream: RequestStream, bridge: _Bridge) -> RequestResult:
+    async def _collect(self, request: HttpRequest, stream: RequestStream, bridge: Bridge) -> RequestResult:
         """The whole result; the request is cancelled if the client goes away meanwhile."""
         watcher = await self._watching(request, stream)
         collector = ResultCollector(stream.request.n)
@@ -545,11 +535,12 @@ class OpenAIServer:
         return result
 
     async def _admitted(self, request: HttpRequest, stream: RequestStream,
-                        events: AsyncIterator[Event]) -> list[Event]:
-        """A streamed request's events up to its first output: raises the same HTTP error as an unstreamed
-        request when the engine refused it at admission (every choice ended "error" with nothing out)."""
+                        events: AsyncIterator[Event | None]) -> list[Event | None]:
+        """A streamed request's events up to its first output, or up to the first keep-alive's ``None``: raises
+        the same HTTP error as an unstreamed request when the engine refused it at admission (every choice
+        ended "error" with nothing out) before then; a later refusal is the stream's error event."""
         watcher = await self._watching(request, stream)
-        first: list[Event] = []
+        first: list[Event | None] = []
         try:
             async for event in events:
                 first.append(event)
@@ -565,13 +556,22 @@ class OpenAIServer:
             self._raise_refusal(last.error)
         return first
 
-    async def _stream(self, stream: RequestStream, events: AsyncIterator[Event], first: list[Event],
-                      shaper: Shaper, usage: bool, record: RequestRecord) -> AsyncIterator[str]:
-        """SSE chunks as tokens arrive (``first``: those already taken from ``events``); leaving early (a
-        disconnect) cancels the request."""
+    async def _chunks(self, request: HttpRequest, stream: RequestStream, bridge: Bridge, shaper: Shaper,
+                      usage: bool) -> Chunks:
+        """A streamed request's chunks, once it was admitted (a refusal before its first output or keep-alive is
+        raised here as an HTTP error); see :meth:`_stream`."""
+        events = paced(bridge.events(stream), self.sse_keepalive_s)
+        first = await self._admitted(request, stream, events)
+        return self._stream(stream, events, first, shaper, usage, request.state.kvrt)
+
+    async def _stream(self, stream: RequestStream, events: AsyncIterator[Event | None], first: list[Event | None],
+                      shaper: Shaper, usage: bool, record: RequestRecord) -> Chunks:
+        """Chat chunks as tokens arrive (``first``: the events already taken from ``events``), an error body if
+        the request failed, and ``None`` where a keep-alive is due; leaving early (a disconnect) cancels the
+        request."""
         collector = ResultCollector(stream.request.n)
 
-        async def everything() -> AsyncIterator[Event]:
+        async def everything() -> AsyncIterator[Event | None]:
             for event in first:
                 yield event
             if not isinstance(first[-1], RequestEnd):
@@ -581,31 +581,36 @@ class OpenAIServer:
         try:
             opening = shaper.role_chunk()
             if opening is not None:
-                yield _sse(opening)
+                yield opening
             async for event in everything():
+                if event is None:
+                    yield None
+                    continue
                 _note(record, event)
                 collector.add(event)
                 if isinstance(event, TokenEvent):
-                    if event.text or event.logprob is not None or shaper.tokens:
-                        yield _sse(shaper.chunk(event.index, event.text, event.logprob, token=event.token))
+                    for chunk in shaper.token_chunks(event):
+                        yield chunk
                 elif isinstance(event, ChoiceEnd):
-                    if event.rest:
-                        yield _sse(shaper.chunk(event.index, event.rest))
-                    yield _sse(shaper.chunk(event.index, "", finish_reason=event.finish_reason))
+                    for chunk in shaper.end_chunks(event):
+                        yield chunk
                 elif event.error is not None:
-                    yield _sse(ApiError(500, f"the request failed: {event.error}", kind="server_error").body())
+                    yield ApiError(500, f"the request failed: {event.error}", kind="server_error").body()
                 else:
                     self._remember(shaper.id, shaper.model_name, list(stream.request.prompt), collector.choices)
                     if usage:
-                        yield _sse(shaper.usage_chunk(event))
-            yield "data: [DONE]\n\n"
+                        yield shaper.usage_chunk(event)
         finally:
             stream.cancel()
 
     def _remember(self, completion_id: str, model: str, prompt: list[int], choices: list[ChoiceResult]) -> None:
-        self._outputs[completion_id] = (model, [list(prompt) + c.tokens for c in choices])
-        while len(self._outputs) > self._remember_n:
-            self._outputs.popitem(last=False)
+        self._keep(self._outputs, completion_id, (model, [list(prompt) + c.tokens for c in choices]))
+
+    def _keep(self, kept: OrderedDict[str, _T], key: str, value: _T) -> None:
+        """``kept[key] = value``, the oldest entries dropped beyond ``remember``."""
+        kept[key] = value
+        while len(kept) > self._remember_n:
+            kept.popitem(last=False)
 
     # -- serving --------------------------------------------------------------------------
     def start(self, host: str = "127.0.0.1", port: int = 0, *, wait_s: float = 30.0) -> tuple[str, int]:

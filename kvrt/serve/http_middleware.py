@@ -1,0 +1,72 @@
+"""ASGI middleware of kvrt's HTTP front: the API key check, and the per-request record that metrics and logs read.
+
+Plain ASGI rather than Starlette's ``BaseHTTPMiddleware``, which would sit between the
+routes and their client's disconnects and streamed bodies.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from kvrt.serve.api_error import ApiError
+from kvrt.serve.metrics import RequestRecord
+
+
+class RequireKey:
+    """ASGI middleware: every path but ``open_paths`` needs ``Authorization: Bearer <key>`` (else 401)."""
+
+    def __init__(self, app: Any, key: str, open_paths: frozenset[str]) -> None:
+        self.app, self._key, self._open = app, key.encode("utf-8"), open_paths
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in self._open:
+            refusal = self._refusal(dict(scope["headers"]).get(b"authorization"))
+            if refusal is not None:
+                response = JSONResponse(refusal.body(), status_code=refusal.status,
+                                        headers={"www-authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, header: bytes | None) -> ApiError | None:
+        """None when ``header`` carries the key; else the 401 saying whether a key was missing or wrong."""
+        scheme, _, given = (header or b"").partition(b" ")
+        if header is None or scheme.lower() != b"bearer" or not given.strip():
+            message = "no API key: send it as 'Authorization: Bearer <key>'"
+        elif hmac.compare_digest(given.strip(), self._key):
+            return None
+        else:
+            message = "the API key in the Authorization header is not this server's (kvrt serve --api-key)"
+        return ApiError(401, message, code="invalid_api_key")
+
+
+class Observe:
+    """ASGI middleware: gives each request a :class:`RequestRecord` (``request.state.kvrt``) for its route
+    to fill in, and hands it with the status to ``done(method, path, status, record)`` once the answer
+    is sent (a stream's last chunk included)."""
+
+    def __init__(self, app: Any, done: Callable[[str, str, int, RequestRecord], None]) -> None:
+        self.app, self._done = app, done
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = RequestRecord()
+        scope.setdefault("state", {})["kvrt"] = record
+        status = 500  # what the client gets if the app raises before answering
+
+        async def sending(message: Any) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            self._done(scope["method"], scope["path"], status, record)

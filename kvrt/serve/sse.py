@@ -1,0 +1,95 @@
+"""Engine events to asyncio tasks (one loop wake-up for many), and the pieces of a server-sent-events stream
+(data lines, keep-alives)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from kvrt.engine.requests import Event, RequestEnd, RequestStream
+
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see the connection is alive
+
+
+class Waker:
+    """Sets asyncio events of one loop from the engine's thread, waking the loop once for all the events due
+    since its last wake: a step that streams a token to each of N requests costs one wake-up of the loop (one
+    write to its self-pipe), not N.
+
+    Invariant: a wake is scheduled whenever ``_due`` is not empty (the first event added schedules it; the wake
+    empties the list under the lock before setting the events).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._due: list[asyncio.Event] = []
+
+    def set_soon(self, flag: asyncio.Event) -> None:
+        with self._lock:
+            self._due.append(flag)
+            if len(self._due) > 1:  # a wake is already scheduled
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the loop is closed: nobody listens any more
+            pass
+
+    def _wake(self) -> None:
+        with self._lock:
+            due, self._due = self._due, []
+        for flag in due:
+            flag.set()
+
+
+class Bridge:
+    """Wakes one asyncio task from the engine's thread whenever its request has new events."""
+
+    def __init__(self, waker: Waker) -> None:
+        self._waker = waker
+        self._flag = asyncio.Event()
+
+    def notify(self) -> None:
+        self._waker.set_soon(self._flag)
+
+    async def events(self, stream: RequestStream) -> AsyncIterator[Event]:
+        while True:
+            self._flag.clear()
+            while (event := stream.poll()) is not None:
+                yield event
+                if isinstance(event, RequestEnd):
+                    return
+            await self._flag.wait()
+
+
+async def paced(events: AsyncIterator[Event], interval_s: float) -> AsyncIterator[Event | None]:
+    """``events`` as they come, and ``None`` each time ``interval_s`` seconds pass without one (a request
+    waiting in the queue, or before its first token): the stream sends a keep-alive then.
+
+    The wait for the next event is never cancelled by a timeout (that would close ``events``);
+    it is cancelled only when the caller stops iterating.
+    """
+    pending: asyncio.Future[Event] = asyncio.ensure_future(anext(events))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield None
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            yield event
+            pending = asyncio.ensure_future(anext(events))
+    finally:
+        pending.cancel()
+
+
+def sse(obj: Mapping[str, Any], event: str | None = None) -> str:
+    """One SSE event carrying ``obj`` as compact JSON (``event``: its SSE event name, as the Responses API sends)."""
+    named = f"event: {event}\n" if event is not None else ""
+    return f"{named}data: {json.dumps(obj, separators=(',', ':'))}\n\n"
