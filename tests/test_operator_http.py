@@ -24,6 +24,7 @@ pytest.importorskip("fastapi", reason="the serve extra (pip install fastapi uvic
 
 from fastapi.testclient import TestClient  # noqa: E402
 
+from kvrt.cli import build_parser  # noqa: E402
 from kvrt.commands import serve  # noqa: E402
 from kvrt.engine.batching import Engine, EngineConfig  # noqa: E402
 from kvrt.errors import KvrtError  # noqa: E402
@@ -379,10 +380,13 @@ def test_a_flag_from_the_environment_and_the_command_line_wins(monkeypatch, valu
     assert parse_serve(["--no-prefetch"]).prefetch is False
 
 
-def test_a_flag_that_is_not_yes_or_no_is_refused(monkeypatch):
+def test_a_flag_that_is_not_yes_or_no_is_refused_by_its_option_and_only_where_used(monkeypatch, capsys):
     monkeypatch.setenv("KVRT_PREFETCH", "maybe")
-    with pytest.raises(KvrtError, match="KVRT_PREFETCH='maybe' is not a yes or no"):
+    with pytest.raises(SystemExit):
         parse_serve([])
+    assert "argument --prefetch/--no-prefetch: KVRT_PREFETCH='maybe' is not a yes or no" in capsys.readouterr().err
+    assert parse_serve(["--prefetch"]).prefetch is True  # the command line wins: the variable is unused
+    assert build_parser().parse_args(["doctor"]).command == "doctor"  # other commands are not affected
 
 
 def test_models_from_the_environment_split_on_pathsep(monkeypatch):

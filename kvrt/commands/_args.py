@@ -8,8 +8,6 @@ import os
 from collections.abc import Callable, Collection
 from typing import Any
 
-from kvrt.errors import KvrtError
-
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -76,16 +74,27 @@ def env_defaults(parser: argparse.ArgumentParser) -> None:
 def _env_value(action: argparse.Action, name: str, raw: str) -> Any:
     """What ``raw`` stands for as ``action``'s default."""
     if action.nargs == 0:  # a flag: store_true / store_false / --x/--no-x
-        word = raw.strip().lower()
-        if word not in TRUE_WORDS + FALSE_WORDS:
-            raise KvrtError(f"{name}={raw!r} is not a yes or no (one of {', '.join(TRUE_WORDS + FALSE_WORDS)})")
-        on = word in TRUE_WORDS
-        return on if action.const is not False else not on  # store_false's default is the flag's absence
+        action.type = _yes_no(name, flip=action.const is False)  # store_false's default is the flag's absence
+        return raw  # converted (or refused, naming the option) only when the command line leaves the flag out
     if isinstance(action, argparse._AppendAction):
         return [part for part in raw.split(os.pathsep) if part]
     if action.choices is not None:
         action.type = _one_of(action.choices, action.type)
     return raw
+
+
+def _yes_no(name: str, *, flip: bool) -> Callable[[str], bool]:
+    """argparse type of a flag's variable: a yes or no word as the flag's value. argparse calls it on the string
+    default only when the command line leaves the flag out, so a bad variable fails the command that uses it,
+    named by its option, and no other."""
+    def convert(text: str) -> bool:
+        word = text.strip().lower()
+        if word not in TRUE_WORDS + FALSE_WORDS:
+            raise argparse.ArgumentTypeError(f"{name}={text!r} is not a yes or no (one of "
+                                             f"{', '.join(TRUE_WORDS + FALSE_WORDS)})")
+        return (word in TRUE_WORDS) != flip
+
+    return convert
 
 
 def _one_of(choices: Collection[Any], convert: Any) -> Callable[[str], Any]:
