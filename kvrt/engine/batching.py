@@ -83,15 +83,17 @@ class _StepClock:
     thread's CPU time in the three host phases: their wall time less it is time the worker waited (for the GIL
     another thread held, or blocked)."""
 
-    busy_s: float = 0.0
     admit_s: float = 0.0
     fill_s: float = 0.0
     decode_s: float = 0.0
     sample_s: float = 0.0
     host_cpu_s: float = 0.0
 
+    @property
+    def busy_s(self) -> float:
+        return self.admit_s + self.fill_s + self.decode_s + self.sample_s
+
     def add(self, t0: float, t_fill: float, t_decode: float, t_sample: float, t_end: float, host_cpu: float) -> None:
-        self.busy_s += t_end - t0
         self.admit_s += t_fill - t0
         self.fill_s += t_decode - t_fill
         self.decode_s += t_sample - t_decode
@@ -279,16 +281,16 @@ class Engine:
             return False
         self._idle_since = None
         t_decode, cpu_decode = time.perf_counter(), time.thread_time()
-        t_sample = cpu_sample = None
-        if self._decode(rows):
+        decoded = self._decode(rows)
+        if decoded:
             self._steps += 1
             self._advance(rows)  # cell bookkeeping, under the compute where llama_decode returns early (GPU)
             self.ctx.synchronize()  # the outputs are read next anyway: the wait is the decode's
-            t_sample, cpu_sample = time.perf_counter(), time.thread_time()
+        t_sample, cpu_sample = time.perf_counter(), time.thread_time()
+        if decoded:
             self._sample(rows)
-        t_end = time.perf_counter()
-        self._clock.add(t0, t_fill, t_decode, t_sample or t_end, t_end,
-                        cpu_decode - cpu0 + (time.thread_time() - cpu_sample if cpu_sample is not None else 0.0))
+        self._clock.add(t0, t_fill, t_decode, t_sample, time.perf_counter(),
+                        cpu_decode - cpu0 + time.thread_time() - cpu_sample)
         return True
 
     def _run_commands(self) -> None:
