@@ -36,7 +36,9 @@ def test_events_set_from_another_thread_wake_the_loop_once_and_are_all_set():
         assert len(scheduled) == 2
     finally:
         loop.close()
-    waker.set_soon(asyncio.Event())  # a closed loop: nobody listens, nothing raises
+    scheduled.clear()
+    waker.set_soon(asyncio.Event())  # a closed loop: nobody listens, nothing raises, nothing is scheduled
+    assert scheduled == []
 
 
 def test_many_threads_setting_events_while_the_loop_runs_lose_none():

@@ -29,14 +29,17 @@ class Waker:
         self._due: list[asyncio.Event] = []
 
     def set_soon(self, flag: asyncio.Event) -> None:
+        if self.loop.is_closed():  # nobody listens any more: keep nothing for it
+            return
         with self._lock:
             self._due.append(flag)
             if len(self._due) > 1:  # a wake is already scheduled
                 return
         try:
             self.loop.call_soon_threadsafe(self._wake)
-        except RuntimeError:  # the loop is closed: nobody listens any more
-            pass
+        except RuntimeError:  # closed since the check above
+            with self._lock:
+                self._due.clear()
 
     def _wake(self) -> None:
         with self._lock:
