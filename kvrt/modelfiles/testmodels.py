@@ -53,6 +53,9 @@ PRESETS: dict[str, Shape] = {
     # (AMX, repacked weights), which :mod:`kvrt.system.cpu` probes with this preset.
     "probe-q4_0": Shape(label="extra buffer type probe", n_layer=1, n_embd=256, n_head=4, n_head_kv=4, n_ff=512,
                         n_vocab=512, n_ctx_train=4096, dtype="q4_0"),
+    "probe-wide-vocab": Shape(label="host-overhead probe: Qwen2.5's vocabulary, almost no compute", n_layer=1,
+                              n_embd=32, n_head=2, n_head_kv=1, n_ff=64, n_vocab=152064, n_ctx_train=65536,
+                              dtype="f32"),
     "qwen2.5-7b": Shape(label="Qwen2.5-7B shape", n_layer=28, n_embd=3584, n_head=28, n_head_kv=4, n_ff=18944,
                         n_vocab=152064, n_ctx_train=32768, rope_freq_base=1000000.0, dtype="f16"),
 }
