@@ -6,8 +6,8 @@ GGUF (e.g. the demo model); ``KVRT_BENCH_DOC_TOKENS`` sets the history's length 
 512), ``KVRT_BENCH_FLASH_ATTN`` the context's flash attention (default ``off``). Every
 benchmark puts the same history into an empty slot of one unified-KV context, through
 :meth:`kvrt.engine.prefix_cache.PrefixCache.restore` (what a returning agent costs with
-the tier) from the tier's own copy (a :class:`kvrt.state.hostpool.HostPool` buffer, as the
-batched server allocates it: pinned on a GPU machine) and from a NumPy copy (pageable), or
+the tier) from the tier's own copy (in its arena from :func:`kvrt.state.hostpool.host_memory`,
+as the servers make it: pinned on a GPU machine) and from a NumPy copy (pageable), or
 by a prefill (what it costs without); each checks the slot holds the history and continues
 with the token the original did. The physical ideal, in the same run: the state's bytes
 copied once from the tier's buffer to where a restore puts them (a pinned host-to-device
@@ -21,15 +21,15 @@ import os
 
 import numpy as np
 import pytest
-from kvrt_bench.fanout import fox_document
-
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import prefill
-from kvrt.engine.host_tier import HostEntry, HostTier, numpy_block
+from kvrt.engine.host_tier import HostArena, HostEntry, HostTier, numpy_memory
 from kvrt.engine.model import Model
 from kvrt.engine.prefix_cache import PrefixCache
-from kvrt.state.hostpool import HostPool
+from kvrt.state.hostpool import host_memory
 from kvrt.system.gpu import cupy_usable
+
+from kvrt_bench.fanout import fox_document
 
 DOC_TOKENS = int(os.environ.get("KVRT_BENCH_DOC_TOKENS", "512"))
 FLASH_ATTN = os.environ.get("KVRT_BENCH_FLASH_ATTN", "off")
@@ -42,7 +42,10 @@ def cache(model: Model):
     params = ContextParams(n_ctx=-(-(2 * DOC_TOKENS + 64) // 256) * 256, n_seq_max=2, kv_unified=True,
                            flash_attn=FLASH_ATTN)
     with Context(model, params) as ctx:
-        cache = PrefixCache(ctx, HostTier(1 << 34, alloc=HostPool().acquire))
+        prefill(ctx, doc, seq_id=0, logits_last=False)  # once, to size the tier: twice the history's state
+        state_bytes = ctx.seq_state_size(0)
+        ctx.seq_rm(0)
+        cache = PrefixCache(ctx, HostTier(2 * state_bytes, memory=host_memory))
         slot = cache.claim()
         assert slot is not None
         prefill(ctx, doc, seq_id=slot, logits_last=False)
@@ -89,14 +92,16 @@ def test_returning_history_restored_from_the_host_tier(benchmark, cache):
     tier, doc, expected = cache
     entry, _ = tier.host_prefix(doc)
     benchmark.extra_info["state_bytes"] = int(entry.state.nbytes)
-    benchmark.extra_info["pinned"] = bool(getattr(entry.block, "pinned", False))
+    benchmark.extra_info["pinned"] = cupy_usable()  # host_memory pins where CuPy sees a GPU
     _bench(benchmark, tier, doc, expected, lambda slot: tier.restore(slot, entry, len(doc)) or pytest.fail("refused"))
 
 
 def test_returning_history_restored_from_a_numpy_copy(benchmark, cache):
     tier, doc, expected = cache
     entry, _ = tier.host_prefix(doc)
-    pageable = HostEntry(entry.tokens, numpy_block(entry.nbytes), entry.nbytes)
+    piece = HostArena(numpy_memory(entry.nbytes)).alloc(entry.nbytes)
+    assert piece is not None
+    pageable = HostEntry(entry.tokens, piece, entry.nbytes)
     np.copyto(pageable.state, entry.state)
     benchmark.extra_info["state_bytes"] = int(entry.nbytes)
     _bench(benchmark, tier, doc, expected, lambda slot: tier.restore(slot, pageable, len(doc)) or pytest.fail("refused"))

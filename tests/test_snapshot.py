@@ -13,7 +13,7 @@ from kvrt.engine.context import Context
 from kvrt.engine.generation import prefill
 from kvrt.engine.model import Model
 from kvrt.errors import DecodeError
-from kvrt.state.hostpool import PAGE, HostPool, HostPoolError, size_class
+from kvrt.state.hostpool import PAGE, HostPool, HostPoolError, host_memory, size_class
 from kvrt.state.snapshot import Snapshot, SnapshotCorrupt, SnapshotError, SnapshotMismatch, token_hash
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 6
@@ -264,6 +264,31 @@ def test_host_pool_pins_on_a_gpu_machine():
     attributes = cupy.cuda.runtime.pointerGetAttributes(buf.view.ctypes.data)
     assert attributes.type == cupy.cuda.runtime.memoryTypeHost
     buf.release()
+
+
+@pytest.mark.gpu
+def test_pinned_memory_is_unpinned_when_let_go_not_parked_in_cupys_pool():
+    """A host tier's arena (host_memory) and a trimmed HostPool block are unpinned when dropped: CuPy's own
+    pinned pool would keep every block it ever served."""
+    import gc
+
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    parked = cupy.get_default_pinned_memory_pool().n_free_blocks()
+    arena = host_memory(4 << 20)
+    arena_ptr = arena.ctypes.data
+    assert runtime.pointerGetAttributes(arena_ptr).type == runtime.memoryTypeHost
+    pool = HostPool(pinned=True, max_cached_bytes=0)
+    buf = pool.acquire(1 << 20)
+    buf_ptr = buf.view.ctypes.data
+    buf.release()
+    assert pool.stats.bytes_cached == 0
+    del arena, buf
+    gc.collect()
+    for ptr in (arena_ptr, buf_ptr):
+        assert runtime.pointerGetAttributes(ptr).type != runtime.memoryTypeHost  # unregistered: unpinned
+    assert cupy.get_default_pinned_memory_pool().n_free_blocks() == parked
 
 
 # -- malformed files and unusable paths: SnapshotError naming the path and the reason -------

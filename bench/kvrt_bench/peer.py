@@ -67,7 +67,7 @@ SIZE_OPTIONS = {"fanout": ("fanout_doc", "fanout_question", None, None),
                 "swarm": ("swarm_doc", "swarm_task", "swarm_turns", "swarm_append"),
                 "private": (None, "private_history", "private_turns", "private_append")}
 KVRT_COUNTERS = ("prefilled_tokens", "reused_tokens", "restored_tokens", "decoded_tokens", "steps", "busy_s",
-                 "decode_s", "admit_s", "fill_s", "sample_s", "host_cpu_s", "relayouts")
+                 "decode_s", "admit_s", "fill_s", "sample_s", "host_cpu_s", "relayouts", "host_kept", "host_keep_s")
 CELL_ROUND = 256
 
 
@@ -170,7 +170,9 @@ def _step_times(row: dict[str, Any]) -> str:
     return (f"kvrt {row['kvrt_steps']} steps of {per_step['busy_s']:.1f} ms: decode {per_step['decode_s']:.1f}, "
             f"admit {per_step['admit_s']:.2f}, fill {per_step['fill_s']:.2f}, sample {per_step['sample_s']:.2f} "
             f"(worker CPU {per_step['host_cpu_s']:.2f}); layout {row.get('kvrt_kv_layout')}, "
-            f"{row.get('kvrt_relayouts', 0)} relayouts")
+            f"{row.get('kvrt_relayouts', 0)} relayouts; {row.get('kvrt_host_kept', 0)} evicted slots copied to the "
+            f"host tier in {row.get('kvrt_host_keep_s', 0.0):.2f} s, {row.get('kvrt_restored_tokens', 0)} tokens "
+            "restored")
 
 
 def _make_arm(name: str, config: ServerConfig, args: argparse.Namespace, server: Path | None,

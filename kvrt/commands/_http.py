@@ -15,7 +15,6 @@ if TYPE_CHECKING:  # the serve extra's imports wait until --http is used
     from kvrt.engine.batching import Engine
     from kvrt.engine.model import Model
     from kvrt.serve.openai_server import OpenAIServer
-    from kvrt.state.hostpool import HostPool
 
 DESCRIPTION = """With --http HOST:PORT, serve one or more GGUF models over HTTP with OpenAI's
 API: /v1/models, /v1/completions, /v1/responses and /v1/chat/completions (streaming, n, logprobs, stop, seed,
@@ -42,8 +41,9 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--prefill-chunk", type=positive_int, default=256,
                        help="most prompt tokens one request computes per step, so long prompts do not stall others")
     group.add_argument("--host-mib", type=non_negative_int, default=2048,
-                       help="host memory (pinned on a GPU machine) for copies of conversations evicted from a model's "
-                            "context, restored when they return instead of prefilled again (0: recompute them)")
+                       help="host memory per model, reserved at start (pinned on a GPU machine), for copies of "
+                            "conversations evicted from its context, restored when they return instead of prefilled "
+                            "again (0: recompute them)")
     group.add_argument("--max-queue", type=positive_int, default=64,
                        help="requests waiting per model before new ones get HTTP 503")
     group.add_argument("--flash-attn", choices=tuple(FLASH_ATTN), default="auto", help="llama.cpp flash attention")
@@ -71,13 +71,13 @@ def parse_address(text: str) -> tuple[str, int]:
 
 @dataclass
 class HttpFront:
-    """A started HTTP server and what it owns; :meth:`close` stops it, then frees engines, models and host memory."""
+    """A started HTTP server and what it owns; :meth:`close` stops it, then frees engines (and their host tiers)
+    and models."""
 
     server: OpenAIServer
     address: tuple[str, int]
     engines: dict[str, Engine] = field(default_factory=dict)
     models: list[Model] = field(default_factory=list)
-    host: HostPool | None = None
 
     def close(self) -> None:
         """Stop accepting, end open requests (streams get their final event and [DONE]), then free everything."""
@@ -85,17 +85,15 @@ class HttpFront:
         for engine in self.engines.values():
             engine.close()
         self.server.stop()
-        _free(self.engines, self.models, self.host)
+        _free(self.engines, self.models)
 
 
-def _free(engines: dict[str, Engine], models: list[Model], host: HostPool | None) -> None:
-    """Close the engines, then the models they run on, then the host pool their tiers drew on."""
+def _free(engines: dict[str, Engine], models: list[Model]) -> None:
+    """Close the engines (their host tiers' memory goes with them), then the models they run on."""
     for engine in engines.values():
         engine.close()
     for model in models:
         model.close()
-    if host is not None:
-        host.clear()
 
 
 def start_http(args: argparse.Namespace) -> HttpFront:
@@ -105,7 +103,7 @@ def start_http(args: argparse.Namespace) -> HttpFront:
     from kvrt.engine.model import Model
     from kvrt.modelfiles.demo_model import demo_model_path
     from kvrt.serve.openai_server import OpenAIServer
-    from kvrt.state.hostpool import HostPool
+    from kvrt.state.hostpool import host_memory
 
     host_name, port = parse_address(args.http)
     paths = [Path(p) for p in getattr(args, "model", None) or [demo_model_path()]]
@@ -115,19 +113,18 @@ def start_http(args: argparse.Namespace) -> HttpFront:
     config = EngineConfig(n_ctx=args.n_ctx, n_seq_max=args.slots, n_batch=args.n_batch,
                           prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
                           flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout)
-    host = HostPool(max_cached_bytes=config.host_bytes)  # pinned on a GPU machine: fast restores
     models: list[Model] = []
     engines: dict[str, Engine] = {}
     try:
         for name, path in zip(names, paths):
             models.append(Model(path, n_gpu_layers=args.n_gpu_layers))
-            engines[name] = Engine(models[-1], config, host_alloc=host.acquire)
+            engines[name] = Engine(models[-1], config, host_memory=host_memory)  # pinned on a GPU
         server = OpenAIServer(engines, default_max_tokens=args.max_tokens,
                               request_timeout_s=getattr(args, "request_timeout_s", None),
                               max_input_bytes=args.max_input_bytes, api_key=args.api_key,
                               sse_keepalive_s=args.sse_keepalive_s)
         address = server.start(host_name, port)  # an address it cannot listen on: KvrtError, one line
     except BaseException:
-        _free(engines, models, host)
+        _free(engines, models)
         raise
-    return HttpFront(server, address, engines, models, host)
+    return HttpFront(server, address, engines, models)

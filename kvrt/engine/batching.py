@@ -54,7 +54,7 @@ from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.decode_step import Feed, fill, greedy_picks
 from kvrt.engine.generation import GenerationParams
-from kvrt.engine.host_tier import HostAllocator, HostTier, numpy_block
+from kvrt.engine.host_tier import HostMemory, HostTier, numpy_memory
 from kvrt.engine.live import Choice, Live
 from kvrt.engine.model import Model
 from kvrt.engine.prefix_cache import PrefixCache, common_prefix
@@ -116,18 +116,18 @@ class _Row:
 class Engine:
     """Continuous batching over one model (see the module docstring); use as a context manager.
 
-    ``host_alloc`` provides the host tier's memory (``config.host_bytes`` of it at most).
+    ``host_memory`` provides the host tier's memory, ``config.host_bytes`` of it, once at the start.
     """
 
     def __init__(self, model: Model, config: EngineConfig | None = None, *,
-                 before_step: Callable[[], None] | None = None, host_alloc: HostAllocator = numpy_block,
+                 before_step: Callable[[], None] | None = None, host_memory: HostMemory = numpy_memory,
                  **overrides: Any) -> None:
         self.config = replace(config or EngineConfig(), **overrides)
         self.model = model
         self.before_step = before_step
         self.ctx = Context(model, self.config.context_params(self.config.starts_shared()))
         try:
-            tier = HostTier(self.config.host_bytes, alloc=host_alloc) if self.config.host_bytes else None
+            tier = HostTier(self.config.host_bytes, memory=host_memory) if self.config.host_bytes else None
             self.cache = PrefixCache(self.ctx, tier)
             self.batch = Batch(self.ctx.n_batch)
         except BaseException:
@@ -194,9 +194,11 @@ class Engine:
             queued = len(self._queue)
         cache = self.cache
         clock = self._clock
+        host = cache.host.stats if cache.host is not None else None
         return EngineStats(
             steps=self._steps, prefilled_tokens=self._prefilled, reused_tokens=self._reused,
-            restored_tokens=self._restored, decoded_tokens=self._decoded, busy_s=clock.busy_s,
+            restored_tokens=self._restored, decoded_tokens=self._decoded,
+            host_kept=host.kept if host else 0, host_keep_s=host.keep_s if host else 0.0, busy_s=clock.busy_s,
             decode_s=clock.decode_s, admit_s=clock.admit_s, fill_s=clock.fill_s, sample_s=clock.sample_s,
             host_cpu_s=clock.host_cpu_s, queued=queued, active=len(self._live), used_cells=cache.used_cells,
             n_cells=cache.n_cells, slots=tuple(cache.describe()), kv_layout="unified" if cache.shared else "split",
@@ -214,7 +216,7 @@ class Engine:
         self.batch.close()
         self.ctx.close()
         if self.cache.host is not None:
-            self.cache.host.clear()
+            self.cache.host.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -1,103 +1,199 @@
 """The prefix cache's second tier: slots evicted from the context kept as host copies of their sequence state.
 
-An agent whose cached history had to leave the shared context (its cells were needed by
+An agent whose cached history had to leave the context (its slot or cells were needed by
 others) comes back by one ``llama_state_seq_set_data`` of the copy instead of a prefill
-of its whole transcript. The tier holds at most ``capacity_bytes``, least recently used
-out first; an entry is exactly llama.cpp's state of its token prefix, so a restore puts
-the same KV back that was evicted. Where the bytes live is the allocator's choice: plain
-NumPy memory by default; a server passes :meth:`kvrt.state.hostpool.HostPool.acquire`, whose
-pinned buffers a GPU reads at the PCIe limit (about 7x pageable memory on the H200).
+of its whole transcript. An entry is exactly llama.cpp's state of its token prefix, so a
+restore puts the same KV back that was evicted.
+
+The tier's memory is one :class:`HostArena` of ``capacity_bytes``, taken once when the
+tier is made: an entry is a piece of it, and entries least recently used leave until a
+new one finds room. Why one arena: entries come and go in every size, and pinning memory
+for each (``cudaHostAlloc``, the memory a GPU reads at the PCIe limit) costs more than
+the copy into it; it ran inside admission, on the engine's step. Where the arena lives is
+the caller's choice: plain NumPy memory by default (pages committed as they are first
+written), pinned on a GPU machine (:func:`kvrt.state.hostpool.host_memory`).
 """
 
 from __future__ import annotations
 
+import bisect
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from kvrt.checks import check_int
 from kvrt.engine.prefix_cache import common_prefix
+from kvrt.errors import KvrtError
+
+HostMemory = Callable[[int], np.ndarray]  # nbytes -> that many writable uint8 bytes, kept alive by the array
+
+ALIGN = 64  # pieces start on cache lines
 
 
-class HostBlock(Protocol):
-    """Host memory of a requested size: ``view`` is its bytes (uint8), ``release`` gives it back."""
+def numpy_memory(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+def piece_size(nbytes: int) -> int:
+    """The arena bytes a piece of ``nbytes`` takes (whole cache lines, at least one)."""
+    return max(-(-nbytes // ALIGN) * ALIGN, ALIGN)
+
+
+class HostArena:
+    """``memory`` handed out in pieces: first fit, and a piece given back merges with its free neighbours.
+
+    Invariant: the free extents are sorted by offset, disjoint and never adjacent, and they and the
+    pieces handed out cover the memory exactly (:meth:`free_bytes` + pieces' sizes = capacity).
+    """
+
+    def __init__(self, memory: np.ndarray) -> None:
+        if memory.dtype != np.uint8 or memory.ndim != 1:
+            raise KvrtError(f"a host arena needs a 1-D uint8 array, got {memory.dtype} of shape {memory.shape}")
+        self.memory = memory
+        self._starts: list[int] = [0] if len(memory) else []  # free extents: their offsets ...
+        self._sizes: list[int] = [len(memory)] if len(memory) else []  # ... and sizes, in offset order
 
     @property
-    def view(self) -> np.ndarray: ...
+    def capacity(self) -> int:
+        return len(self.memory)
 
-    def release(self) -> None: ...
+    def free_bytes(self) -> int:
+        return sum(self._sizes)
+
+    def alloc(self, nbytes: int) -> ArenaPiece | None:
+        """A piece of at least ``nbytes`` (its view exactly ``nbytes``), or ``None`` while no free run is long
+        enough."""
+        size = piece_size(nbytes)
+        for i, free in enumerate(self._sizes):
+            if free >= size:
+                start = self._starts[i]
+                if free == size:
+                    del self._starts[i], self._sizes[i]
+                else:
+                    self._starts[i] += size
+                    self._sizes[i] -= size
+                return ArenaPiece(self, start, size, nbytes)
+        return None
+
+    def _give_back(self, start: int, size: int) -> None:
+        i = bisect.bisect(self._starts, start)
+        if i > 0 and self._starts[i - 1] + self._sizes[i - 1] == start:  # merge with the extent before
+            i -= 1
+            self._sizes[i] += size
+        else:
+            self._starts.insert(i, start)
+            self._sizes.insert(i, size)
+        if i + 1 < len(self._starts) and self._starts[i] + self._sizes[i] == self._starts[i + 1]:  # and after
+            self._sizes[i] += self._sizes.pop(i + 1)
+            del self._starts[i + 1]
 
 
-HostAllocator = Callable[[int], HostBlock]
+class ArenaPiece:
+    """A piece of a :class:`HostArena`: ``view`` is its first ``nbytes``; :meth:`release` gives it back (once)."""
 
+    __slots__ = ("_arena", "start", "size", "nbytes")
 
-@dataclass(frozen=True)
-class _NumpyBlock:
-    """The default allocator's block: NumPy memory, given back to the garbage collector."""
+    def __init__(self, arena: HostArena, start: int, size: int, nbytes: int) -> None:
+        self._arena: HostArena | None = arena
+        self.start, self.size, self.nbytes = start, size, nbytes
 
-    view: np.ndarray
+    @property
+    def view(self) -> np.ndarray:
+        if self._arena is None:
+            raise KvrtError("this piece of host memory was given back to its arena")
+        return self._arena.memory[self.start:self.start + self.nbytes]
 
     def release(self) -> None:
-        pass
-
-
-def numpy_block(nbytes: int) -> HostBlock:
-    return _NumpyBlock(np.empty(nbytes, dtype=np.uint8))
+        if self._arena is not None:
+            self._arena._give_back(self.start, self.size)
+            self._arena = None
 
 
 @dataclass(frozen=True)
 class HostEntry:
-    """A host copy of one slot's sequence state, holding exactly ``tokens``: the first ``nbytes`` of ``block``."""
+    """A host copy of one slot's sequence state, holding exactly ``tokens``: the first ``nbytes`` of ``piece``."""
 
     tokens: tuple[int, ...]
-    block: HostBlock
+    piece: ArenaPiece
     nbytes: int
 
     @property
     def state(self) -> np.ndarray:
         """llama.cpp's sequence state bytes (uint8)."""
-        return self.block.view[:self.nbytes]
+        return self.piece.view[:self.nbytes]
+
+
+@dataclass(frozen=True)
+class HostTierStats:
+    """What the tier did since it was made: copies kept (bytes, seconds writing them) and entries dropped."""
+
+    kept: int
+    kept_bytes: int
+    keep_s: float
+    dropped: int
 
 
 class HostTier:
     """Host copies of evicted slots, keyed by their tokens (a copy that is a prefix of a newer one is dropped)."""
 
-    def __init__(self, capacity_bytes: int, *, min_tokens: int = 32, alloc: HostAllocator = numpy_block) -> None:
+    def __init__(self, capacity_bytes: int, *, min_tokens: int = 32, memory: HostMemory = numpy_memory) -> None:
         self.capacity_bytes = check_int(capacity_bytes, "host tier capacity_bytes", low=0)
         self.min_tokens = check_int(min_tokens, "host tier min_tokens", low=1)
-        self.alloc = alloc
+        self._arena = HostArena(memory(self.capacity_bytes) if self.capacity_bytes else numpy_memory(0))
         self._entries: OrderedDict[tuple[int, ...], HostEntry] = OrderedDict()  # least recently used first
+        self._keys: dict[tuple[int, ...], np.ndarray] = {}  # each entry's tokens as int64, for lookups
         self.nbytes = 0
+        self._kept = self._kept_bytes = self._dropped = 0
+        self._keep_s = 0.0
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def stats(self) -> HostTierStats:
+        return HostTierStats(self._kept, self._kept_bytes, self._keep_s, self._dropped)
+
     def worth_keeping(self, n_tokens: int) -> bool:
         return n_tokens >= self.min_tokens and self.capacity_bytes > 0
 
-    def put(self, tokens: Sequence[int], block: HostBlock, nbytes: int) -> bool:
-        """Keep the state of exactly ``tokens``, the first ``nbytes`` of ``block`` (the tier owns the block from
-        here: it is released when dropped, or at once when the state alone exceeds the capacity: False)."""
-        if nbytes > self.capacity_bytes:
-            block.release()
+    def keep(self, tokens: Sequence[int], nbytes: int, write: Callable[[np.ndarray], int]) -> bool:
+        """Keep the state of exactly ``tokens``: ``write(view)`` fills ``nbytes`` of host memory and returns the
+        bytes it wrote. Least recently used entries leave until the copy finds room; False when it never can
+        (larger than the tier). ``write``'s exception propagates, leaving the tier without the copy."""
+        if piece_size(nbytes) > self.capacity_bytes:
             return False
+        t0 = time.perf_counter()
         key = tuple(tokens)
         for old in [k for k in self._entries if len(k) <= len(key) and key[:len(k)] == k]:
             self._drop(old)  # the new copy holds all of it
-        self._entries[key] = HostEntry(key, block, nbytes)
-        self.nbytes += nbytes
-        while self.nbytes > self.capacity_bytes:
+        piece = self._arena.alloc(nbytes)
+        while piece is None and self._entries:
             self._drop(next(iter(self._entries)))
+            piece = self._arena.alloc(nbytes)
+        if piece is None:  # only entries hold pieces, so an empty tier's arena is one free run: a bug if reached
+            raise KvrtError(f"host tier: no room for {nbytes} bytes with every entry dropped "
+                            f"({self._arena.free_bytes()} of {self.capacity_bytes} free)")
+        try:
+            written = write(piece.view)
+        except BaseException:
+            piece.release()
+            raise
+        self._entries[key] = HostEntry(key, piece, written)
+        self._keys[key] = np.asarray(key, dtype=np.int64)
+        self.nbytes += written
+        self._kept += 1
+        self._kept_bytes += written
+        self._keep_s += time.perf_counter() - t0
         return True
 
     def longest(self, tokens: Sequence[int]) -> tuple[HostEntry | None, int]:
         """The entry sharing the longest prefix with ``tokens``, and the length shared (marked recently used)."""
         best, best_len = None, 0
         for key, entry in self._entries.items():
-            length = common_prefix(key, tokens)
+            length = common_prefix(self._keys[key], tokens)
             if length > best_len:
                 best, best_len = entry, length
         if best is not None:
@@ -106,10 +202,19 @@ class HostTier:
 
     def _drop(self, key: tuple[int, ...]) -> None:
         entry = self._entries.pop(key)
+        del self._keys[key]
         self.nbytes -= entry.nbytes
-        entry.block.release()
+        self._dropped += 1
+        entry.piece.release()
 
     def clear(self) -> None:
-        """Drop every entry, releasing its memory."""
+        """Drop every entry, giving its memory back to the arena."""
         for key in list(self._entries):
             self._drop(key)
+
+    def close(self) -> None:
+        """Drop every entry and let the arena's memory go (pinned memory is unpinned when nothing else holds it);
+        the tier keeps nothing from here on."""
+        self.clear()
+        self._arena = HostArena(numpy_memory(0))
+        self.capacity_bytes = 0

@@ -318,17 +318,10 @@ class PrefixCache:
         if slot in self._unsettled:  # its device data is not what the mirror says until the next decode
             return
         try:
-            block = self.host.alloc(self.ctx.seq_state_size(slot))
-        except KvrtError as exc:  # the allocator's limit
-            log.debug("slot %d not copied to the host tier: %s", slot, exc)
-            return
-        try:
-            written = self.ctx.seq_state_get(slot, block.view)
+            self.host.keep(self.tokens(slot), self.ctx.seq_state_size(slot),
+                           lambda view: self.ctx.seq_state_get(slot, view))
         except KvrtError as exc:  # e.g. a sliding-window cache that no longer holds the whole prefix
-            block.release()
             log.debug("slot %d not copied to the host tier: %s", slot, exc)
-            return
-        self.host.put(self.tokens(slot), block, written)
 
     def _forget(self, cells: Iterable[int]) -> None:
         for cell in cells:

@@ -266,6 +266,8 @@ class EngineStats:
     reused_tokens: int  # prompt tokens taken from the prefix cache instead
     restored_tokens: int  # of which restored from host copies of evicted slots (EngineConfig.host_bytes)
     decoded_tokens: int  # sampled tokens decoded
+    host_kept: int  # evicted slots copied to the host tier (EngineConfig.host_bytes)
+    host_keep_s: float  # seconds those copies took (inside admission: a slot is copied as it is evicted)
     busy_s: float  # wall time of the steps that decoded a batch, of which:
     decode_s: float  # from llama_decode's call until its outputs were ready (bookkeeping runs under it)
     admit_s: float  # commands, deadlines and admission of waiting requests

@@ -15,7 +15,7 @@ left (all of its transcript but the last sampled token) and prefills only the re
 the agent's KV is always its transcript. A fork is a copy of the transcript whose first
 turn shares the parent's cells with ``seq_cp``. When cells run short the least recently
 used agent's cells are evicted: copied to the engine's host tier (``BatchConfig.host_bytes``,
-pinned memory from a :class:`kvrt.state.hostpool.HostPool`) while it has room, so its next
+pinned memory on a GPU machine, :func:`kvrt.state.hostpool.host_memory`) while it has room, so its next
 turn restores them; otherwise that turn prefills its transcript again. Either way exact.
 One agent's turns run one after another, in order.
 
@@ -64,7 +64,7 @@ from kvrt.serve.results import (
 )
 from kvrt.serve.service import HISTORY, AgentService, TextFn
 from kvrt.state.agentstore import AgentStore, AgentStoreError, StateProblem
-from kvrt.state.hostpool import HostPool
+from kvrt.state.hostpool import host_memory
 
 log = logging.getLogger("kvrt.serve.batched")
 
@@ -139,7 +139,6 @@ class BatchedScheduler(AgentService[_Agent]):
         self._owns_registry = registry is None
         self.config = config or BatchConfig()
         self._pools: dict[Path, _Pool] = {}
-        self._host = HostPool(max_cached_bytes=self.config.host_bytes)  # pinned on a GPU machine: fast restores
         self._agents: dict[str, _Agent] = {}
         self._lock = threading.RLock()
         self._history: deque[RequestMetrics] = deque(maxlen=HISTORY)
@@ -193,7 +192,7 @@ class BatchedScheduler(AgentService[_Agent]):
             self.registry.release(entry)
             raise
         try:
-            engine = Engine(entry.model, self.config.engine(), host_alloc=self._host.acquire)
+            engine = Engine(entry.model, self.config.engine(), host_memory=host_memory)  # pinned on a GPU
         except BaseException:
             self.ledger.release(reservation)
             self.registry.release(entry)

@@ -63,9 +63,11 @@ def _warn_pageable_on_gpu_machine() -> None:
 
 
 def _alloc_pinned(capacity: int) -> tuple[np.ndarray, Any]:
+    """Page-locked memory of its own (``cudaHostAlloc``), freed when the owner goes: not CuPy's
+    ``alloc_pinned_memory``, whose pool would keep every block it ever served after this pool let it go."""
     import cupy  # noqa: PLC0415
 
-    memory = cupy.cuda.alloc_pinned_memory(capacity)
+    memory = cupy.cuda.PinnedMemoryPointer(cupy.cuda.PinnedMemory(capacity), 0)
     return np.frombuffer(memory, dtype=np.uint8, count=capacity), memory
 
 
@@ -237,6 +239,20 @@ class HostPool:
         with self._lock:
             self._settle_returns()
             return HostPoolStats(self._allocations, self._reuses, self._in_use, self._cached, self.pinned)
+
+
+def host_memory(nbytes: int) -> np.ndarray:
+    """``nbytes`` of host memory for a long-lived arena (a host tier's): pinned when CuPy sees a GPU, else
+    page-aligned NumPy memory. The array keeps its memory alive (its base is the owner)."""
+    pinned = cupy_usable()
+    if not pinned:
+        _warn_pageable_on_gpu_machine()
+    try:
+        array, _owner = (_alloc_pinned if pinned else _alloc_aligned)(nbytes)
+    except Exception as exc:
+        raise HostPoolError(f"could not allocate {nbytes} bytes of {'pinned' if pinned else 'pageable'} host memory: "
+                            f"{exc}") from exc
+    return array
 
 
 _default: HostPool | None = None

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The batched server's host tier on the H200 (bench/bench_host_tier.py), Qwen2.5-7B shape, flash attention on:
-# an evicted history of 8,192 and of 32,768 tokens restored from the tier's HostPool buffer (pinned here), from a
+# an evicted history of 8,192 and of 32,768 tokens restored from the tier's arena (pinned here, taken once), from a
 # NumPy (pageable) copy, and prefilled again; the ideal is one pinned host-to-device copy of the same bytes (CuPy).
 # Budget ~70 s (model load ~10 s each, 6 prefills of each length). Writes $RESULTS/host-tier/doc-N.{json,log}.
 set -uo pipefail

@@ -27,16 +27,25 @@ export PYTHONUNBUFFERED=1
 [ -f "$QWEN" ] || { echo "missing $QWEN"; exit 1; }
 [ -x "$SERVER" ] || { echo "missing $SERVER (tools/device_run.sh builds it)"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT_DIR/gpu.txt"
+kvrt_server_pid() {  # from /proc: the device image has no pgrep
+  local p
+  for p in /proc/[0-9]*; do
+    tr '\0' ' ' < "$p/cmdline" 2> /dev/null | grep -q "kvrt.cli serve --http" && { echo "${p#/proc/}"; return; }
+  done
+}
 profile_kvrt() {  # PEER_PROFILE_S: sample the kvrt server of this N with py-spy (if carried) for its whole life
   local out=$1 pid="" i
-  for i in $(seq 600); do pid=$(pgrep -f "kvrt.cli serve --http" | head -1); [ -n "$pid" ] && break; sleep 0.1; done
+  for i in $(seq 600); do pid=$(kvrt_server_pid); [ -n "$pid" ] && break; sleep 0.1; done
+  echo "kvrt server pid: ${pid:-not found in 60 s}" > "$out.log"
   [ -n "$pid" ] && py-spy record --pid "$pid" --threads --idle --nonblocking -r 100 -f raw -o "$out" \
-    --duration "$PEER_PROFILE_S" > "$out.log" 2>&1
+    --duration "$PEER_PROFILE_S" >> "$out.log" 2>&1
 }
 for n in ${PEER_AGENTS:-8 32 64}; do
   t=$SECONDS
-  if [ -n "${PEER_PROFILE_S:-}" ] && command -v py-spy > /dev/null; then
-    mkdir -p "$OUT_DIR/n$n"; profile_kvrt "$OUT_DIR/n$n/pyspy-kvrt.txt" &
+  if [ -n "${PEER_PROFILE_S:-}" ]; then
+    mkdir -p "$OUT_DIR/n$n"
+    if command -v py-spy > /dev/null; then profile_kvrt "$OUT_DIR/n$n/pyspy-kvrt.txt" &
+    else echo "PEER_PROFILE_S set but py-spy is not on PATH" > "$OUT_DIR/n$n/pyspy-kvrt.txt.log"; fi
   fi
   # shellcheck disable=SC2086  # PEER_ARGS is a list of options
   eval timeout "${PEER_N_TIMEOUT_S:-240}" python3 -m kvrt.cli bench peer --out "$OUT_DIR/n$n" --preset h200 \
