@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Self
 
 from kvrt.bindings import ffi
 from kvrt.errors import ClosedError, KvrtError
@@ -118,7 +118,7 @@ class OwnsHandle:
     def close(self) -> None:
         self._handle.close()
 
-    def __enter__(self):  # noqa: ANN204  (returns the subclass)
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

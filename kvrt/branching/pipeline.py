@@ -151,18 +151,18 @@ class Pipeline:
             stack = [iter(self._nodes[root].deps)]
             while stack:
                 name = path[-1]
-                dep = next(stack[-1], None)
-                if dep is None:
+                child = next(stack[-1], None)
+                if child is None:
                     stack.pop()
                     path.pop()
                     colour[name] = black
-                elif colour[dep] == grey:
-                    cycle = path[path.index(dep):] + [dep]
-                    raise CycleError((name, dep), cycle)
-                elif colour[dep] == white:
-                    colour[dep] = grey
-                    path.append(dep)
-                    stack.append(iter(self._nodes[dep].deps))
+                elif colour[child] == grey:
+                    cycle = path[path.index(child):] + [child]
+                    raise CycleError((name, child), cycle)
+                elif colour[child] == white:
+                    colour[child] = grey
+                    path.append(child)
+                    stack.append(iter(self._nodes[child].deps))
 
     def _plan(self) -> tuple[dict[str, list[int]], dict[str, int]]:
         """Document tokens and each branch's watermark, after checking every budget."""

@@ -79,7 +79,7 @@ def _env_value(action: argparse.Action, name: str, raw: str) -> Any:
     if isinstance(action, argparse._AppendAction):
         return [part for part in raw.split(os.pathsep) if part]
     if action.choices is not None:
-        action.type = _one_of(action.choices, action.type)
+        action.type = _one_of(tuple(action.choices), action.type)
     return raw
 
 

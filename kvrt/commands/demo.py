@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from kvrt.bindings import FLASH_ATTN
+
+if TYPE_CHECKING:
+    from kvrt.engine.model import Model
 
 HELP = "two agents (overview, obligations) over the Gemma license: one prefill vs. the baseline's two"
 DESCRIPTION = """Two agents read the same document, the Gemma Terms of Use that ship with the demo model:
@@ -32,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="flash attention in both kvrt's and the baseline's contexts")
 
 
-def _document(model, limit: int) -> list[int]:
+def _document(model: Model, limit: int) -> list[int]:
     from kvrt.modelfiles.demo_model import license_terms_text
 
     text = license_terms_text()

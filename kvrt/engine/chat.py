@@ -47,7 +47,7 @@ def chat_template(model: Model, name: str | None = None) -> str | None:
     GGUF has none, or ``None``."""
     ptr = lib().llama_model_chat_template(model.ptr, name.encode() if name else ffi.NULL)
     if ptr != ffi.NULL:
-        return ffi.string(ptr).decode("utf-8", "replace")
+        return str(ffi.string(ptr).decode("utf-8", "replace"))
     return None if name else _ARCHITECTURE_TEMPLATES.get(model.meta("general.architecture") or "")
 
 

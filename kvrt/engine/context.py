@@ -308,7 +308,7 @@ class Context(OwnsHandle):
 
     def has_logits(self, row: int) -> bool:
         with capture():
-            return lib().llama_get_logits_ith(self.ptr, row) != ffi.NULL
+            return bool(lib().llama_get_logits_ith(self.ptr, row) != ffi.NULL)
 
     def synchronize(self) -> None:
         lib().llama_synchronize(self.ptr)

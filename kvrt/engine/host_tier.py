@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvrt.checks import check_int
-from kvrt.engine.prefix_cache import common_prefix
+from kvrt.engine.prefix_cache import TokenIds, common_prefix
 from kvrt.errors import KvrtError
 
 HostMemory = Callable[[int], np.ndarray]  # nbytes -> that many writable uint8 bytes, kept alive by the array
@@ -189,7 +189,7 @@ class HostTier:
         self._keep_s += time.perf_counter() - t0
         return True
 
-    def longest(self, tokens: Sequence[int]) -> tuple[HostEntry | None, int]:
+    def longest(self, tokens: TokenIds) -> tuple[HostEntry | None, int]:
         """The entry sharing the longest prefix with ``tokens``, and the length shared (marked recently used)."""
         best, best_len = None, 0
         for key, entry in self._entries.items():

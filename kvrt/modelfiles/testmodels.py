@@ -122,13 +122,15 @@ class _Weights:
         scale = 1.0 / np.sqrt(dims[-1])
         rng = np.random.default_rng([self.seed, zlib.crc32(name.encode())])
         if n <= _TILE_THRESHOLD:
-            return (rng.standard_normal(n) * scale).astype(self.dtype).reshape(dims)
+            small: np.ndarray = (rng.standard_normal(n) * scale).astype(self.dtype).reshape(dims)
+            return small
         if self._block is None:
             self._block = np.random.default_rng(self.seed).standard_normal(_TILE_THRESHOLD + 4099).astype(np.float32)
         start = int(rng.integers(0, 4099))
         reps = -(-n // _TILE_THRESHOLD)
         flat = np.tile(self._block[start:start + _TILE_THRESHOLD], reps)[:n]
-        return (flat * scale).astype(self.dtype).reshape(dims)
+        tiled: np.ndarray = (flat * scale).astype(self.dtype).reshape(dims)
+        return tiled
 
 
 def write_model(

@@ -126,12 +126,12 @@ class Prefetcher:
             raise StagingError(f"no room for a staging context of {stager.name} and no live agent of that shape "
                                "to swap out ahead")
         victim.check()
-        live = victim.kv.detach()
-        assert live.charge is not None
-        stager.adopt(live.ctx, live.charge)
-        pending = stager.swap_out_async(live.ctx, tokens=victim.transcript[:victim.kv_tokens])
+        detached = victim.kv.detach()
+        assert detached.charge is not None
+        stager.adopt(detached.ctx, detached.charge)
+        pending = stager.swap_out_async(detached.ctx, tokens=victim.transcript[:victim.kv_tokens])
         victim.draining = pending
-        self._drains.append(_Drain(victim, stager, live.ctx, pending, agent.agent_id))
+        self._drains.append(_Drain(victim, stager, detached.ctx, pending, agent.agent_id))
 
     def take(self, agent: Agent, switch: Switch) -> bool:
         """Make ``agent`` live in its staged context (with its charge); False: it is not staged, or the copy failed."""
