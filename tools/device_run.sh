@@ -26,13 +26,18 @@ export RESULTS=${RESULTS:-/tmp/kvrt-results} MODELS=${MODELS:-/tmp/kvrt-models}
 SITE=/tmp/kvrt-site
 LLAMA_BUILD=/tmp/llama-build
 export KVRT_LLAMA_SERVER=${KVRT_LLAMA_SERVER:-$LLAMA_BUILD/bin/llama-server}   # for `kvrt bench peer` (80-peer)
-export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTHONSAFEPATH=1 PATH=$SITE/bin:$PATH
+TOOLS=/tmp/kvrt-tools  # command-line tools carried as wheels (py-spy): a target of their own, see below
+export PYTHONPATH=$SITE PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTHONSAFEPATH=1 PATH=$TOOLS/bin:$SITE/bin:$PATH
 mkdir -p "$OUT" "$RESULTS" "$MODELS" "$SITE"
 summary="$RESULTS/summary.txt"
 note() { echo "[$(date +%T)] $*" | tee -a "$summary"; }
 
 install_python_deps() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .gpu-carry/wheels/*.whl
+  # pip --target --upgrade replaces a whole top-level folder, bin/ included: kvrt's own install below would delete
+  # the tools' scripts from $SITE/bin, so the tools get their own target
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$TOOLS" .gpu-carry/wheels/py_spy-*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" \
+    $(ls .gpu-carry/wheels/*.whl | grep -v /py_spy-)
   # kvrt itself, reinstalled on every call so a warm machine runs the code just sent
   python3 -m pip install -q --no-deps --no-build-isolation --no-compile --upgrade --target "$SITE" . \
     && note "kvrt installed into $SITE"

@@ -253,6 +253,7 @@ H200_HOST_TIER = ("host-tier/doc-8192.json", "host-tier/doc-32768.json")
 CPU_HOST_TIER = ("host-tier/bench_host_tier-512.json", "host-tier/bench_host_tier-2048.json")
 H200_PEER = ("peer/n32/peer/peer.json", "peer/n8/peer/peer.json")
 CPU_PEER = ("peer/peer.json",)
+H100_PEER = ("peer-3224640/n32/peer/peer.json", "peer-3224640/n8/peer/peer.json")
 ROWS = (
     Row("two agents over a 3,501-token document, end to end vs the warm baseline (bound 2), and the ideal",
         *_same(fanout_headline, "fanout/fanout.json"), "SwarmKV 1.95x (against fresh contexts)"),
@@ -282,6 +283,9 @@ ROWS = (
         "faster by), and batched-bench's ideal / kvrt",
         Cell(lambda f: peer(f, H200_PEER), H200_PEER, "h200-2026-12-05"),
         Cell(lambda f: peer(f, CPU_PEER), CPU_PEER, "cpu-2026-12-04"), "-"),
+    Row("the same on an NVIDIA H100 80GB (this column's only H100 figures: the GPU lent on 2026-12-05), after the "
+        "host tier took one pinned arena (commit e1e9f07)",
+        Cell(lambda f: peer(f, H100_PEER), H100_PEER, "h100-2026-12-05"), None, "-"),
     Row("three models each asking for a huge context", Cell(coresidence, ("coresidence/agents.json",)), None,
         "lmxd: file size x 1.5 estimates"),
     Row("layer streaming at balance, vs serial",
