@@ -10,7 +10,8 @@ from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams, generate
 from kvrt.engine.model import Model
-from kvrt.serve.results import ContextFull, InvalidArgument
+from kvrt.errors import InvalidArgument
+from kvrt.serve.results import ContextFull
 from kvrt.serve.scheduler import Scheduler
 
 TURN = " the quick brown fox jumps over the lazy dog and"

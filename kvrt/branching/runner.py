@@ -26,7 +26,7 @@ from kvrt.state.snapshot import Snapshot
 
 
 @dataclass
-class _Live:
+class _DecodingBranch:
     """A branch being decoded: its sequence, next position and tokens waiting to be decoded."""
 
     seq: int
@@ -39,7 +39,7 @@ class _Live:
     t_first: float | None = None
 
 
-def _decode_round(ctx: Context, batch: Batch, lives: list[_Live]) -> None:
+def _decode_round(ctx: Context, batch: Batch, lives: list[_DecodingBranch]) -> None:
     """Decode every live branch's pending tokens (one step for all while they fit ``n_batch``, prompt chunks
     over several steps when not) and sample each branch's next token right after the step that finished it."""
     pairs = [(live, Feed(live.seq, live.pos, live.pending)) for live in lives]
@@ -55,7 +55,7 @@ def _decode_round(ctx: Context, batch: Batch, lives: list[_Live]) -> None:
         pairs = [(live, feed) for live, feed in pairs if not feed.finished]
 
 
-def _decode(ctx: Context, branches: Sequence[Branch], lives: list[_Live], work: Batch) -> list[BranchResult]:
+def _decode(ctx: Context, branches: Sequence[Branch], lives: list[_DecodingBranch], work: Batch) -> list[BranchResult]:
     """Decode ``lives`` together until every one has finished; their results in order."""
     results: list[BranchResult | None] = [None] * len(lives)
     while active := [live for live in lives if live.pending]:
@@ -87,7 +87,7 @@ def run_branches(ctx: Context, branches: Sequence[Branch], seqs: Sequence[int], 
     t0 = time.perf_counter() if t_start is None else t_start
     if prompts is None:
         prompts = [branch_budget(model, b)[0] for b in branches]
-    lives = [_Live(seq, start_pos, list(prompt),
+    lives = [_DecodingBranch(seq, start_pos, list(prompt),
                    Sampler(b.params.sampling, model=model),
                    SequenceStream(model, b.params), t0, start_pos + len(prompt))
              for b, seq, prompt in zip(branches, seqs, prompts)]

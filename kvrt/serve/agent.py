@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvrt.engine.context import Context
+from kvrt.errors import InvalidArgument
 from kvrt.serve.registry import LoadedModel
-from kvrt.serve.results import ContextFull, InvalidArgument
+from kvrt.serve.results import ContextFull
 from kvrt.state.agent_context import AgentContext
 from kvrt.state.sized_context import CTX_PAD, bucket, padded
 from kvrt.state.snapshot import Snapshot

@@ -46,6 +46,7 @@ from kvrt.engine.batching import Engine
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.requests import ChoiceEnd, EngineStats, Request, RequestEnd, RequestStream, TokenEvent
 from kvrt.engine.sampling import SamplingParams
+from kvrt.errors import InvalidArgument
 from kvrt.serve.agent import ContextPolicy
 from kvrt.serve.batched_store import forget, restore_all, save
 from kvrt.serve.registry import LoadedModel, ModelRegistry
@@ -54,7 +55,6 @@ from kvrt.serve.results import (
     AgentInfo,
     DecodeResult,
     Forked,
-    InvalidArgument,
     MetricsSummary,
     Registered,
     RequestMetrics,
@@ -114,7 +114,10 @@ class _Turn:
 
 
 @dataclass
-class _Agent:
+class BatchedAgent:
+    """One agent of :class:`BatchedScheduler`: its model's pool, context policy, transcript (its KV is exactly
+    this, where the engine still holds it) and turns queued or running, one at a time."""
+
     agent_id: str
     pool: _Pool
     policy: ContextPolicy
@@ -129,7 +132,7 @@ class _Agent:
     save_lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class BatchedScheduler(AgentService[_Agent]):
+class BatchedScheduler(AgentService[BatchedAgent]):
     """Register agents on models and run their turns in continuous batches (see the module docstring)."""
 
     def __init__(self, ledger: VramLedger, registry: ModelRegistry | None = None, *,
@@ -139,7 +142,7 @@ class BatchedScheduler(AgentService[_Agent]):
         self._owns_registry = registry is None
         self.config = config or BatchConfig()
         self._pools: dict[Path, _Pool] = {}
-        self._agents: dict[str, _Agent] = {}
+        self._agents: dict[str, BatchedAgent] = {}
         self._lock = threading.RLock()
         self._history: deque[RequestMetrics] = deque(maxlen=HISTORY)
         self._closing = False
@@ -173,7 +176,7 @@ class BatchedScheduler(AgentService[_Agent]):
                 raise AgentExists(f"agent {agent_id!r} is already registered")
             pool = self._pool(model_path)
             pool.agents += 1
-            self._agents[agent_id] = _Agent(agent_id, pool, rules)
+            self._agents[agent_id] = BatchedAgent(agent_id, pool, rules)
         entry = pool.entry
         return Registered(agent_id, entry.path.name, n_ctx, n_ctx, rules.mode, entry.reservation.nbytes,
                           pool.reservation.nbytes, entry.estimate_source)
@@ -210,7 +213,7 @@ class BatchedScheduler(AgentService[_Agent]):
         finally:
             self._release(agent)
 
-    def _release(self, agent: _Agent) -> None:
+    def _release(self, agent: BatchedAgent) -> None:
         """End what an agent no longer registered had running and queued; free its model when it was the last."""
         self._cancel(agent)
         with self._lock:
@@ -235,12 +238,13 @@ class BatchedScheduler(AgentService[_Agent]):
             if agent_id in self._agents:
                 raise AgentExists(f"agent {agent_id!r} is already registered")
             source.pool.agents += 1
-            agent = self._agents[agent_id] = _Agent(agent_id, source.pool, source.policy, list(source.transcript),
-                                                    source.keep, served_tokens=source.served_tokens)
+            agent = self._agents[agent_id] = BatchedAgent(agent_id, source.pool, source.policy,
+                                                          list(source.transcript), source.keep,
+                                                          served_tokens=source.served_tokens)
         self._saved_or_removed(agent)
         return Forked(agent_id, source_id, len(agent.transcript))
 
-    def _saved_or_removed(self, agent: _Agent) -> None:
+    def _saved_or_removed(self, agent: BatchedAgent) -> None:
         """Save a just-admitted agent; when that fails, remove it again and raise why (never OK while unsaved)."""
         error = save(self, agent)
         if error is not None:
@@ -283,7 +287,7 @@ class BatchedScheduler(AgentService[_Agent]):
             agent = self._agent(agent_id)
         return self._cancel(agent)
 
-    def _cancel(self, agent: _Agent) -> int:
+    def _cancel(self, agent: BatchedAgent) -> int:
         with self._lock:
             turns = list(agent.queue)
             agent.queue.clear()
@@ -295,7 +299,7 @@ class BatchedScheduler(AgentService[_Agent]):
             running.stream.cancel()
         return len(turns) + (running is not None)
 
-    def _start(self, agent: _Agent) -> _Turn | None:
+    def _start(self, agent: BatchedAgent) -> _Turn | None:
         """Send the agent's next queued turn to its engine (lock held); refusals end that turn and go on.
 
         Returns the turn started: the caller drains it once the lock is released (its first
@@ -316,7 +320,7 @@ class BatchedScheduler(AgentService[_Agent]):
             return turn
         return None
 
-    def _request(self, agent: _Agent, turn: _Turn) -> Request:
+    def _request(self, agent: BatchedAgent, turn: _Turn) -> Request:
         """The engine request for ``turn``: transcript + prompt, after the agent's policy made room."""
         model = agent.pool.entry.model
         turn.tokens = prompt_tokens(model, turn.prompt, "prompt", add_special=not agent.transcript,
@@ -332,7 +336,7 @@ class BatchedScheduler(AgentService[_Agent]):
         deadline = turn.deadline
         return Request(agent.transcript + turn.tokens, turn.params, deadline=deadline)
 
-    def _drain(self, agent: _Agent, turn: _Turn | None) -> None:
+    def _drain(self, agent: BatchedAgent, turn: _Turn | None) -> None:
         """Forward the turn's engine events (engine thread, or the starter right after the submit)."""
         if turn is None or turn.stream is None:
             return  # called before submit returned; the submitter drains next
@@ -349,7 +353,7 @@ class BatchedScheduler(AgentService[_Agent]):
                 else:
                     self._finish(agent, turn, event)
 
-    def _finish(self, agent: _Agent, turn: _Turn, end: RequestEnd) -> None:
+    def _finish(self, agent: BatchedAgent, turn: _Turn, end: RequestEnd) -> None:
         """The turn is over: the history grows by the prompt and every sampled token; the next turn starts."""
         done = time.perf_counter()
         choice = turn.end

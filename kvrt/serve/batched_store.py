@@ -27,12 +27,12 @@ from kvrt.serve.statedir import check_model, record_policy, restore_each
 from kvrt.state.agentstore import AgentRecord
 
 if TYPE_CHECKING:
-    from kvrt.serve.batched import BatchedScheduler, _Agent
+    from kvrt.serve.batched import BatchedAgent, BatchedScheduler
 
 log = logging.getLogger("kvrt.serve.batched_store")
 
 
-def save(sched: BatchedScheduler, agent: _Agent) -> str | None:
+def save(sched: BatchedScheduler, agent: BatchedAgent) -> str | None:
     """Save ``agent``'s registration and transcript (no KV: ``n_tokens`` 0) unless the store has them already.
 
     Returns why they could not be saved (the store logged it and keeps it in ``unsaved``), or None.
@@ -56,7 +56,7 @@ def save(sched: BatchedScheduler, agent: _Agent) -> str | None:
     return None
 
 
-def forget(sched: BatchedScheduler, agent: _Agent) -> None:
+def forget(sched: BatchedScheduler, agent: BatchedAgent) -> None:
     """Remove an unregistered agent's files (after it left ``sched._agents``: no save of it starts again)."""
     if sched.store is not None:
         with agent.save_lock:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvrt.errors import KvrtError
+from kvrt.errors import InvalidArgument, KvrtError
 
 AGENT_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-:@")
 MAX_AGENT_ID = 64
@@ -32,10 +32,6 @@ class AgentExists(SchedulerError):
 
 class SchedulerClosed(SchedulerError):
     code = "SHUTTING_DOWN"
-
-
-class InvalidArgument(SchedulerError):
-    code = "BAD_ARGS"
 
 
 class ContextFull(SchedulerError):

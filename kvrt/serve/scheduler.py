@@ -39,6 +39,7 @@ from kvrt.accounting.ledger import VramLedger
 from kvrt.checks import prompt_tokens
 from kvrt.engine.generation import GenerationParams, generate
 from kvrt.engine.sampling import SamplingParams
+from kvrt.errors import InvalidArgument
 from kvrt.serve.agent import Agent, ContextPolicy
 from kvrt.serve.forking import fork
 from kvrt.serve.membership import admit, teardown
@@ -49,7 +50,6 @@ from kvrt.serve.results import (
     AgentInfo,
     DecodeResult,
     Forked,
-    InvalidArgument,
     MetricsSummary,
     Registered,
     RequestMetrics,

@@ -66,7 +66,7 @@ def _whole_state(ctx: Context) -> bytes:
     return bytes(ffi.buffer(buffer, written))
 
 
-def _check_tokens(snapshot: Snapshot, tokens: object) -> list[int]:
+def _snapshot_tokens(snapshot: Snapshot, tokens: object) -> list[int]:
     """``tokens`` as ints, checked against the snapshot's length and (where it recorded one) its token hash."""
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, (Sequence, np.ndarray)):
         raise LlamaStateError(f"tokens must be the snapshot's token ids (a sequence of int), got {shown(tokens)}")
@@ -103,7 +103,7 @@ def snapshot_to_llama_state(snapshot: Snapshot, llama: Any, tokens: Sequence[int
     if not isinstance(snapshot, Snapshot):
         raise LlamaStateError(f"expected a kvrt Snapshot, got {shown(snapshot)}")
     llama = _check_llama(llama)
-    ids = _check_tokens(snapshot, tokens)
+    ids = _snapshot_tokens(snapshot, tokens)
     target = Context.from_llama_cpp(llama)
     snapshot.check_compatible(target, 0)
     if snapshot.n_tokens > len(llama.input_ids):
