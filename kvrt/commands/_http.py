@@ -12,9 +12,10 @@ from kvrt.commands._args import non_negative_int, positive_int, seconds
 from kvrt.errors import KvrtError
 
 if TYPE_CHECKING:  # the serve extra's imports wait until --http is used
+    from kvrt.accounting.ledger import Reservation
     from kvrt.engine.batching import Engine
-    from kvrt.engine.model import Model
     from kvrt.serve.openai_server import OpenAIServer
+    from kvrt.serve.registry import LoadedModel, ModelRegistry
 
 DESCRIPTION = """With --http HOST:PORT, serve one or more GGUF models over HTTP with OpenAI's
 API: /v1/models, /v1/completions, /v1/responses and /v1/chat/completions (streaming, n, logprobs, stop, seed,
@@ -71,13 +72,15 @@ def parse_address(text: str) -> tuple[str, int]:
 
 @dataclass
 class HttpFront:
-    """A started HTTP server and what it owns; :meth:`close` stops it, then frees engines (and their host tiers)
-    and models."""
+    """A started HTTP server and what it holds: an engine per model, each model leased from the process's
+    :class:`ModelRegistry` (shared with the socket front's agents on the same file) and each engine's context
+    charged to the ledger. :meth:`close` stops it and gives all of that back."""
 
     server: OpenAIServer
     address: tuple[str, int]
+    registry: ModelRegistry
     engines: dict[str, Engine] = field(default_factory=dict)
-    models: list[Model] = field(default_factory=list)
+    leases: list[tuple[LoadedModel, Reservation]] = field(default_factory=list)
 
     def close(self) -> None:
         """Stop accepting, end open requests (streams get their final event and [DONE]), then free everything."""
@@ -85,22 +88,26 @@ class HttpFront:
         for engine in self.engines.values():
             engine.close()
         self.server.stop()
-        _free(self.engines, self.models)
+        _free(self.registry, self.engines, self.leases)
 
 
-def _free(engines: dict[str, Engine], models: list[Model]) -> None:
-    """Close the engines (their host tiers' memory goes with them), then the models they run on."""
+def _free(registry: ModelRegistry, engines: dict[str, Engine], leases: list[tuple[LoadedModel, Reservation]]) -> None:
+    """Close the engines (their host tiers' memory goes with them), then give their contexts' charges and their
+    models' leases back."""
     for engine in engines.values():
         engine.close()
-    for model in models:
-        model.close()
+    for entry, reservation in leases:
+        registry.ledger.release(reservation)
+        registry.release(entry)
 
 
-def start_http(args: argparse.Namespace) -> HttpFront:
-    """Load every ``--model``, start one engine each and serve them on ``--http`` from a background thread."""
+def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
+    """Load every ``--model`` through ``registry`` (admitted by its ledger, or refused with the ledger's numbers
+    before its weights are read), charge one engine's context each, and serve them on ``--http`` from a
+    background thread."""
+    from kvrt.accounting.estimate import context_estimate
     from kvrt.engine.admission import EngineConfig
     from kvrt.engine.batching import Engine
-    from kvrt.engine.model import Model
     from kvrt.modelfiles.demo_model import demo_model_path
     from kvrt.serve.openai_server import OpenAIServer
     from kvrt.state.hostpool import host_memory
@@ -113,18 +120,24 @@ def start_http(args: argparse.Namespace) -> HttpFront:
     config = EngineConfig(n_ctx=args.n_ctx, n_seq_max=args.slots, n_batch=args.n_batch,
                           prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
                           flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout)
-    models: list[Model] = []
     engines: dict[str, Engine] = {}
+    leases: list[tuple[LoadedModel, Reservation]] = []
     try:
         for name, path in zip(names, paths):
-            models.append(Model(path, n_gpu_layers=args.n_gpu_layers))
-            engines[name] = Engine(models[-1], config, host_memory=host_memory)  # pinned on a GPU
+            entry = registry.acquire(path)
+            try:
+                cells = context_estimate(entry.shape, config.n_ctx, min(config.n_batch, 512)).total_bytes
+                leases.append((entry, registry.ledger.try_reserve(cells, f"http:{name}")))
+            except BaseException:
+                registry.release(entry)
+                raise
+            engines[name] = Engine(entry.model, config, host_memory=host_memory)  # pinned on a GPU
         server = OpenAIServer(engines, default_max_tokens=args.max_tokens,
                               request_timeout_s=getattr(args, "request_timeout_s", None),
                               max_input_bytes=args.max_input_bytes, api_key=args.api_key,
                               sse_keepalive_s=args.sse_keepalive_s)
         address = server.start(host_name, port)  # an address it cannot listen on: KvrtError, one line
     except BaseException:
-        _free(engines, models)
+        _free(registry, engines, leases)
         raise
-    return HttpFront(server, address, engines, models)
+    return HttpFront(server, address, registry, engines, leases)

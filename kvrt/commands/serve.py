@@ -1,4 +1,6 @@
-"""``kvrt serve``: one owner of the GPU for many agents, on a Unix socket (lmxd's protocol) or over HTTP (OpenAI's API).
+"""``kvrt serve``: one owner of the GPU for many agents, on a Unix socket (lmxd's protocol), over HTTP (OpenAI's API),
+or both from one process: one VRAM ledger and one model registry under both fronts, so a model both use is loaded
+and charged once, and what the HTTP front's engines hold counts against the cap the socket's agents are admitted to.
 
 Unix socket: try it with ``nc -U PATH`` (send HELP). The ledger's cap is ``--admit-percent`` of the
 GPU's memory as NVML reports it; on a machine without one, a stated share of host RAM
@@ -12,9 +14,10 @@ the timeout is abandoned (exit status 1); a second signal during shutdown exits 
 restarted daemon brings every saved agent back, after a crash too; an agent whose state
 could not be saved (a full or read-only state dir) is named in the log and the exit
 status is 1.
-HTTP: see :mod:`kvrt.commands._http`; SIGTERM or Ctrl-C stops accepting, ends open requests
-(streams get a final error event and ``[DONE]``), closes the engines and exits 0, within
-``--shutdown-timeout-s`` (else exit status 1); a second signal exits at once (status 1).
+HTTP: see :mod:`kvrt.commands._http`; its models are admitted by the same ledger (a model that does not fit is
+refused at start with the ledger's numbers). SIGTERM or Ctrl-C stops accepting, ends open requests (streams get a
+final error event and ``[DONE]``), closes the engines and exits 0, within ``--shutdown-timeout-s`` (else exit status
+1); a second signal exits at once (status 1). With both fronts the HTTP front stops first, then the socket's.
 """
 
 from __future__ import annotations
@@ -30,13 +33,15 @@ from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvrt.accounting.budget import Budget
     from kvrt.serve.daemon import Daemon
+    from kvrt.serve.registry import ModelRegistry
 
 from kvrt.commands import _http
 from kvrt.commands._args import env_defaults, seconds
 from kvrt.errors import KvrtError
 
-HELP = "serve agents over a Unix socket (lmxd's protocol) or over HTTP (OpenAI's API)"
+HELP = "serve agents over a Unix socket (lmxd's protocol), over HTTP (OpenAI's API), or both"
 DESCRIPTION = """--socket PATH: agents registered by name, each with its KV state kept (on the GPU, or
 swapped to pinned host memory while others run), admitted against a VRAM ledger; a text
 protocol, one line a request (connect with nc -U PATH and send HELP).
@@ -50,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from kvrt.engine.admission import KV_LAYOUTS
     from kvrt.serve.daemon import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_STOP_TIMEOUT_S
 
-    where = parser.add_argument_group("where to listen (one of)")
+    where = parser.add_argument_group("where to listen (either or both: one process, one ledger)")
     where.add_argument("--socket", default=None, help="Unix socket path (created 0600)")
     where.add_argument("--http", metavar="HOST:PORT", default=None,
                        help="serve OpenAI's HTTP API at this address (port 0: any free port)")
@@ -97,46 +102,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if (args.socket is None) == (args.http is None):
-        raise KvrtError("kvrt serve needs exactly one of --socket PATH (kvrt's protocol) and --http HOST:PORT "
-                        "(OpenAI's API); run two processes to offer both")
-    return _run_http(args) if args.http else _run_socket(args)
-
-
-def _run_http(args: argparse.Namespace) -> int:
-    signals = _Signals()
-    front = _http.start_http(args)
-    host, port = front.address
-    print(f"kvrt serve: http://{host}:{port}/v1 serving {', '.join(front.engines)}", flush=True)
-    try:
-        signals.wait_for_first()
-    except BaseException:
-        front.close()
-        raise
-    first = signals.count
-    stopper = threading.Thread(target=front.close, name="kvrt-serve-stop", daemon=True)
-    stopper.start()
-    limit = time.monotonic() + args.shutdown_timeout_s
-    while stopper.is_alive():
-        stopper.join(_SIGNAL_POLL_S)
-        if stopper.is_alive() and signals.count > first:
-            log.warning("second signal during shutdown: exiting now")
-            _exit_now(1)
-        if stopper.is_alive() and time.monotonic() > limit:
-            log.warning("the HTTP front did not stop within --shutdown-timeout-s %s s: exiting now",
-                        args.shutdown_timeout_s)
-            _exit_now(1)
-    return 0
-
-
-def _run_socket(args: argparse.Namespace) -> int:
+    if args.socket is None and args.http is None:
+        raise KvrtError("kvrt serve needs --socket PATH (kvrt's protocol), --http HOST:PORT (OpenAI's API), or both "
+                        "(one process, one ledger)")
     from kvrt.accounting.budget import choose_budget
     from kvrt.accounting.estimate import load_vram_table
     from kvrt.accounting.ledger import VramLedger
-    from kvrt.serve.batched import BatchConfig, BatchedScheduler
-    from kvrt.serve.daemon import Daemon
     from kvrt.serve.registry import ModelRegistry
-    from kvrt.serve.scheduler import Scheduler
 
     signals = _Signals()
     table = load_vram_table(args.vram_table) if args.vram_table else None
@@ -144,6 +116,43 @@ def _run_socket(args: argparse.Namespace) -> int:
     ledger = VramLedger(budget.capacity_bytes, admit_percent=args.admit_percent,
                         reconcile_every_s=args.reconcile_s if budget.source == "nvml" else None)
     registry = ModelRegistry(ledger, n_gpu_layers=args.n_gpu_layers, table=table, measure=args.charge == "measured")
+    fronts = _Fronts()
+    try:
+        if args.socket:
+            fronts.daemon = _start_socket(args, registry, budget)
+            print(f"kvrt serve: listening on {fronts.daemon.path} (ledger max {ledger.max_bytes} B from "
+                  f"{budget.source}: {budget.reason})", flush=True)
+        if args.http:
+            fronts.http = _http.start_http(args, registry)
+            host, port = fronts.http.address
+            print(f"kvrt serve: http://{host}:{port}/v1 serving {', '.join(fronts.http.engines)}", flush=True)
+        signals.wait_for_first()
+    except BaseException:
+        fronts.stop(args.shutdown_timeout_s)
+        registry.close()
+        ledger.close()
+        raise
+    if not _stop_within(fronts, args.shutdown_timeout_s, signals):
+        _exit_now(1)  # a request is still inside llama.cpp: freeing models or tearing down Python under it could crash
+    registry.close()
+    ledger.close()
+    unsaved = fronts.unsaved()
+    for agent, reason in sorted(unsaved.items()):
+        log.error("agent %r is not saved: %s", agent, reason)
+    if unsaved:
+        log.error("stopped with %d agent(s) whose state is not saved in %s (exit status 1): a restart loses or "
+                  "rolls them back", len(unsaved), args.state_dir)
+    return 1 if unsaved else 0
+
+
+def _start_socket(args: argparse.Namespace, registry: ModelRegistry, budget: Budget) -> Daemon:
+    """The socket front: an agent service (per-agent contexts, or ``--batch-slots``) over ``registry`` and its
+    ledger, listening on ``--socket``."""
+    from kvrt.serve.batched import BatchConfig, BatchedScheduler
+    from kvrt.serve.daemon import Daemon
+    from kvrt.serve.scheduler import Scheduler
+
+    ledger = registry.ledger
     scheduler: Scheduler | BatchedScheduler
     if args.batch_slots:
         scheduler = BatchedScheduler(ledger, registry, config=BatchConfig(
@@ -159,20 +168,7 @@ def _run_socket(args: argparse.Namespace) -> int:
         scheduler.close()
         raise
     daemon.start()
-    print(f"kvrt serve: listening on {daemon.path} (ledger max {ledger.max_bytes} B from {budget.source}: "
-          f"{budget.reason})", flush=True)
-    signals.wait_for_first()
-    if not _stop_within(daemon, args.shutdown_timeout_s, signals):
-        _exit_now(1)  # a request is still inside llama.cpp: freeing models or tearing down Python under it could crash
-    scheduler.registry.close()
-    ledger.close()
-    unsaved = scheduler.store.unsaved if scheduler.store is not None else {}
-    for agent, reason in sorted(unsaved.items()):
-        log.error("agent %r is not saved: %s", agent, reason)
-    if unsaved:
-        log.error("stopped with %d agent(s) whose state is not saved in %s (exit status 1): a restart loses or "
-                  "rolls them back", len(unsaved), args.state_dir)
-    return 1 if unsaved else 0
+    return daemon
 
 
 class _Signals:
@@ -196,17 +192,47 @@ class _Signals:
             time.sleep(_SIGNAL_POLL_S)
 
 
-def _stop_within(daemon: Daemon, timeout_s: float, signals: _Signals) -> bool:
-    """Stop ``daemon`` on a helper thread, so the main thread keeps seeing signals: a second one exits at once."""
+class _Fronts:
+    """The fronts this process serves (either or both), stopped together: HTTP first (its streams end), then the
+    socket daemon (the running request finishes, queued ones are refused, agents saved)."""
+
+    def __init__(self) -> None:
+        self.daemon: Daemon | None = None
+        self.http: _http.HttpFront | None = None
+
+    def stop(self, timeout_s: float) -> bool:
+        """Stop both within ``timeout_s``; False when the daemon's running request did not finish in time."""
+        deadline = time.monotonic() + timeout_s
+        if self.http is not None:
+            self.http.close()
+        if self.daemon is not None:
+            return self.daemon.stop(max(deadline - time.monotonic(), 0.0))
+        return True
+
+    def unsaved(self) -> dict[str, str]:
+        """Agents of the socket front whose state could not be saved, with the reason."""
+        store = self.daemon.scheduler.store if self.daemon is not None else None
+        return dict(store.unsaved) if store is not None else {}
+
+
+def _stop_within(fronts: _Fronts, timeout_s: float, signals: _Signals) -> bool:
+    """Stop ``fronts`` on a helper thread within ``timeout_s``, so the main thread keeps seeing signals: a second
+    one exits at once (so does a stop that overruns the timeout)."""
     first = signals.count
     outcome: list[bool] = []
-    stopper = threading.Thread(target=lambda: outcome.append(daemon.stop(timeout_s)), name="kvrt-serve-stop")
+    stopper = threading.Thread(target=lambda: outcome.append(fronts.stop(timeout_s)), name="kvrt-serve-stop",
+                               daemon=True)
     stopper.start()
+    limit = time.monotonic() + timeout_s + _SIGNAL_POLL_S
     while stopper.is_alive():
         stopper.join(_SIGNAL_POLL_S)
-        if signals.count > first and stopper.is_alive():
-            log.warning("second signal during shutdown: exiting now, without waiting for the running request")
-            daemon.path.unlink(missing_ok=True)
+        overrun = time.monotonic() > limit
+        if stopper.is_alive() and (signals.count > first or overrun):
+            log.warning("%s: exiting now, without waiting for the running requests",
+                        f"the fronts did not stop within --shutdown-timeout-s {timeout_s} s" if overrun
+                        else "second signal during shutdown")
+            if fronts.daemon is not None:
+                fronts.daemon.path.unlink(missing_ok=True)
             _exit_now(1)
     return bool(outcome and outcome[0])
 

@@ -1,0 +1,101 @@
+"""``kvrt serve --socket PATH --http HOST:PORT``: one process, one ledger and one model registry under both fronts.
+
+A model both fronts use is loaded and charged once (the registry's refcount counts the HTTP
+front's lease and every socket agent's), the HTTP engine's context is on the ledger the socket's
+agents are admitted to, both answer at once, and SIGTERM stops both with status 0. A model the
+ledger cannot hold is refused at start with the ledger's numbers.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvrt.serve.client import Client
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed")
+WAIT_S = 120.0
+KVRT = [sys.executable, "-m", "kvrt.cli"]
+ENV = {**os.environ, "KVRT_EXTRA_BUFTS": "off"}
+
+
+@pytest.fixture()
+def both(tmp_path: Path, tiny_model_path: Path) -> Iterator[tuple[subprocess.Popen, Path, str]]:
+    """The process with both fronts on the tiny model; yields it, its socket and its HTTP address."""
+    sock = tmp_path / "kvrt.sock"
+    proc = subprocess.Popen([*KVRT, "serve", "--socket", str(sock), "--http", "127.0.0.1:0", "--model",
+                             str(tiny_model_path), "--n-ctx", "1024", "--slots", "2", "--threads", "1",
+                             "--capacity-bytes", str(4 << 30), "--charge", "estimated"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        lines = [proc.stdout.readline() if proc.stdout else "" for _ in range(2)]
+        found = re.search(r"http://([^/\s]+)/v1", lines[1])
+        if "listening on" not in lines[0] or not found:
+            proc.kill()
+            pytest.fail(f"kvrt serve printed {lines!r}; stderr: {proc.communicate(timeout=WAIT_S)[1][-2000:]}")
+        yield proc, sock, found.group(1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def _completion(address: str, model: str, prompt: list[int]) -> dict:
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
+    body = {"model": model, "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    connection.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200, response.read()[:500]
+    reply = json.loads(response.read())
+    connection.close()
+    return reply
+
+
+def _model_line(status: dict) -> dict:
+    (line,) = status["loaded"]
+    return line
+
+
+def test_one_process_serves_both_fronts_on_one_ledger(both, tiny_model_path: Path):
+    proc, sock, address = both
+    with Client(sock) as client:
+        before = client.status()
+        assert before["models"] == "1" and _model_line(before)["refcount"] == "1"  # the HTTP front's lease
+        weights = int(_model_line(before)["reserved_bytes"])
+        http_context = int(before["ledger_allocated_bytes"]) - weights
+        assert http_context > 0  # the HTTP engine's cells are charged to the ledger the socket admits against
+        client.register("a", tiny_model_path, 512)
+        decoded = client.decode("a", "Hello, my name is", 6)
+        assert decoded.fields["generated_tokens"] == "6"
+        after = client.status()
+        assert after["models"] == "1" and _model_line(after)["refcount"] == "2"  # loaded once, shared
+        assert int(_model_line(after)["reserved_bytes"]) == weights
+        (agent,) = client.list()
+        assert agent["state"] == "active" and int(agent["context_bytes"]) > 0
+        # one ledger: the weights once, the HTTP engine's context and the agent's, nothing else
+        assert int(after["ledger_allocated_bytes"]) == weights + http_context + int(agent["context_bytes"])
+        reply = _completion(address, tiny_model_path.stem, [1, 2, 3, 4])
+        assert reply["usage"]["completion_tokens"] == 6
+        assert client.decode("a", " and then", 4).fields["generated_tokens"] == "4"  # the socket still serves
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=WAIT_S) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
+    assert not sock.exists()
+
+
+def test_a_model_the_ledger_cannot_hold_is_refused_with_its_numbers(tmp_path: Path, tiny_model_path: Path):
+    done = subprocess.run([*KVRT, "serve", "--socket", str(tmp_path / "kvrt.sock"), "--http", "127.0.0.1:0",
+                           "--model", str(tiny_model_path), "--threads", "1", "--capacity-bytes", "4096",
+                           "--charge", "estimated"], capture_output=True, text=True, timeout=WAIT_S, env=ENV)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr  # the CLI's status for a refusal
+    assert "VRAM ledger denied model:" in done.stderr and "of max 4096 B" in done.stderr, done.stderr
+    assert not (tmp_path / "kvrt.sock").exists()  # the socket front that had started is gone again
