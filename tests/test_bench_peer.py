@@ -21,6 +21,7 @@ from kvrt_bench._peer_servers import (  # noqa: E402
     LLAMA_SERVER_ENV,
     PeerError,
     ServerArm,
+    ServerConfig,
     find_llama_server,
 )
 from kvrt_bench._peer_workloads import Sizes, WorkloadError, build, safe_vocabulary  # noqa: E402
@@ -115,6 +116,16 @@ def test_a_missing_or_unusable_llama_server_is_named(tmp_path, monkeypatch):
         find_llama_server(str(not_executable))
 
 
+def test_the_roomy_arm_runs_exactly_what_llama_server_cannot_hold(tiny_model_path):
+    config = ServerConfig(tiny_model_path, 1024, 4, 512, 256, "off", 1)  # 256 cells a llama-server slot
+    fits, short = Sizes(0, 200, 1, 0, 16), Sizes(300, 32, 1, 0, 16)  # 216 and 348 cells an agent
+    assert peer._skip_reason("llama-server", config, fits) is None and peer._skip_reason(peer.ROOMY, config, fits)
+    assert "needs 348" in peer._skip_reason("llama-server", config, short)
+    assert peer._skip_reason(peer.ROOMY, config, short) is None
+    assert peer._skip_reason("kvrt", config, short) is None  # kvrt's slots share the cells as they need them
+    assert peer.auto_cells(4, {"fits": fits, "short": short}) // 4 >= short.cells_per_agent  # roomy's cells
+
+
 def test_the_kvrt_arm_alone_serves_every_turn_in_full(tiny_model_path, tmp_path):
     args = _args("--model", str(tiny_model_path), "--arms", "kvrt", "--agents", "2", "--threads", "1",
                  "--flash-attn", "off", *TINY_SIZES, out=tmp_path)
@@ -150,3 +161,18 @@ def test_both_arms_on_the_tiny_model_when_llama_server_is_found(tiny_model_path,
     assert len(digests["kvrt"]) == 1 and digests["kvrt"] == digests["llama-server"]
     assert "kvrt_over_llama_server_wall" in result["summary"]["N=2 swarm"]
     assert os.path.exists(tmp_path / "peer" / "peer.png")
+
+
+def test_llama_server_given_the_cells_it_needs_where_the_shared_count_is_short(tiny_model_path, tmp_path):
+    try:
+        find_llama_server(None)
+    except PeerError as exc:
+        pytest.skip(f"no llama-server binary ({exc})")
+    args = _args("--model", str(tiny_model_path), "--agents", "2", "--threads", "1", "--flash-attn", "off",
+                 "--cells", "100", "--roomy", *TINY_SIZES, out=tmp_path)  # 50 a slot: private (48) fits, others not
+    assert peer.run(args) == 0
+    rows = json.loads((tmp_path / "peer" / "peer.json").read_text())["rounds"]
+    ran = {(r["arm"], r["workload"]) for r in rows if "skipped" not in r}
+    assert ran == {("kvrt", "fanout"), ("kvrt", "swarm"), ("kvrt", "private"), ("llama-server", "private"),
+                   (peer.ROOMY, "fanout"), (peer.ROOMY, "swarm")}
+    assert all(r["lost_tokens"] == 0 for r in rows if "skipped" not in r)

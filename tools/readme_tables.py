@@ -198,10 +198,12 @@ def peer(folder: str, files: tuple[str, ...]) -> str:
     for name in files:
         for key, arms in load(folder, name)["summary"].items():  # "N=32 private"
             kvrt = arms["kvrt"]["wall_s"]["median"]
-            if "llama-server" not in arms:
+            roomy = "llama-server" not in arms and "llama-server-roomy" in arms
+            if "llama-server" not in arms and not roomy:
                 parts.append(f"{key}: {kvrt:.1f} s (llama-server cannot hold it in these cells)")
                 continue
-            theirs = arms["llama-server"]["wall_s"]["median"]
+            key += " (llama-server given the cells it needs)" if roomy else ""
+            theirs = arms["llama-server-roomy" if roomy else "llama-server"]["wall_s"]["median"]
             ideal = arms.get("ideal_over_kvrt_wall")
             parts.append(f"{key}: {kvrt:.1f} vs {theirs:.1f} s (**{theirs / kvrt:.2f}x**"
                          + (f", {ideal['median']:.2f} of the ideal)" if ideal else ")"))

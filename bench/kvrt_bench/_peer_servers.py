@@ -223,16 +223,18 @@ def kvrt_arm(config: ServerConfig) -> ServerArm:
     return ServerArm("kvrt", argv + config.extra, dict(os.environ), "/v1/models", port, config.model.stem)
 
 
-def llama_server_arm(config: ServerConfig, binary: Path, lib: Path, unified: bool) -> ServerArm:
+def llama_server_arm(config: ServerConfig, binary: Path, lib: Path, unified: bool,
+                     name: str | None = None) -> ServerArm:
     """llama-server on a free port with the same settings (``-np`` slots, ``-ub 512``, every layer offloaded, no
-    automatic fitting that could change them), ``--kv-unified`` when ``unified``, plus ``config.extra``."""
+    automatic fitting that could change them), ``--kv-unified`` when ``unified``, plus ``config.extra``; ``name``
+    names the arm (default: by its layout)."""
     port = free_port()
     argv = [str(binary), "-m", str(config.model), "-c", str(config.cells), "-np", str(config.slots),
             "-b", str(config.n_batch), "-ub", str(UBATCH), "-fa", config.flash_attn, "-ngl", "all", "--fit", "off",
             "--host", HOST, "--port", str(port)]
     argv += ["-t", str(config.threads)] if config.threads else []
     argv += ["--kv-unified"] if unified else []
-    name = "llama-server-unified" if unified else "llama-server"
+    name = name or ("llama-server-unified" if unified else "llama-server")
     return ServerArm(name, argv + config.extra, shared_library_env(lib), "/health", port, config.model.stem)
 
 

@@ -21,7 +21,9 @@ prefilled, reused, restored tokens). The ideal: ``llama-batched-bench`` of the s
 the document is shared): later turns' appended tokens are not in it, so it is a bound.
 Ratios: kvrt / llama-server wall time and tokens/s (same round), the ideal's time /
 kvrt's. llama-server runs only where every slot's share of the cells (``cells / N``)
-holds an agent's whole history; elsewhere its row says why it was skipped.
+holds an agent's whole history; elsewhere its row says why it was skipped, and with ``--roomy``
+an arm ``llama-server-roomy`` runs those workloads with the cells its slots need (``N`` x the
+longest history), and so does their ideal.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from kvrt_bench._stats import machine, ratios, summarize, write_csv, write_json
 
 HELP = "kvrt's OpenAI server vs llama.cpp's llama-server (same GGUF, libllama, cells): fanout, swarm, private"
 ARMS = ("kvrt", "llama-server")
+ROOMY = "llama-server-roomy"  # llama-server with the cells its slots need, for what --cells cannot hold (--roomy)
 # sizes per preset: (shared, own, turns, append) per workload, output tokens a turn, cells, n_batch, flash attention
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {"fanout": (992, 32, 1, 0), "swarm": (512, 64, 4, 128), "private": (0, 768, 2, 64), "gen": 16,
@@ -95,6 +98,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts' tokens")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of " + ", ".join(ARMS))
     parser.add_argument("--kv-unified", action="store_true", help="also an arm llama-server --kv-unified")
+    parser.add_argument("--roomy", action="store_true",
+                        help="also an arm llama-server-roomy: llama-server given the cells its slots need (N x the "
+                             "longest agent history), run only for the workloads it cannot hold in --cells (issue "
+                             "24's fanout goal is against llama-server given the cells it needs); the ideal of "
+                             "those workloads gets as many")
     parser.add_argument("--llama-server", default=None, help="llama-server binary (else $KVRT_LLAMA_SERVER, PATH)")
     parser.add_argument("--batched-bench", default=None,
                         help="llama-batched-bench binary (else $KVRT_BATCHED_BENCH, beside llama-server, PATH)")
@@ -136,10 +144,14 @@ def _warm(arm: ServerArm, vocabulary: list[int], timeout_s: float) -> None:
 
 
 def _skip_reason(arm: str, config: ServerConfig, sizes: Sizes) -> str | None:
-    """Why ``arm`` cannot hold this workload in its cells (llama-server without unified KV: cells / N a slot)."""
-    if arm == "llama-server" and config.cells // config.slots < sizes.cells_per_agent:
+    """Why ``arm`` does not run this workload in ``config``'s cells: llama-server without unified KV cannot hold
+    it (cells / N a slot); the roomy arm runs exactly those."""
+    short = config.cells // config.slots < sizes.cells_per_agent
+    if arm == "llama-server" and short:
         return (f"llama-server gives each of {config.slots} slots {config.cells // config.slots} cells; an agent's "
                 f"history needs {sizes.cells_per_agent}")
+    if arm == ROOMY and not short:
+        return "llama-server holds it in the shared cell count (its own row)"
     return None
 
 
@@ -181,15 +193,16 @@ def _make_arm(name: str, config: ServerConfig, args: argparse.Namespace, server:
         return kvrt_arm(replace(config, extra=shlex.split(args.kvrt_args)))
     assert server is not None
     return llama_server_arm(replace(config, extra=shlex.split(args.server_args)), server, lib,
-                            unified=name == "llama-server-unified")
+                            unified=name == "llama-server-unified", name=name)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise KvrtError(f"--rounds {args.rounds}: at least one")
     preset = PRESETS[args.preset]
-    arms = [a for a in args.arms.split(",") if a] + (["llama-server-unified"] if args.kv_unified else [])
-    if not arms or set(arms) - {*ARMS, "llama-server-unified"}:
+    arms = [a for a in args.arms.split(",") if a] + (["llama-server-unified"] if args.kv_unified else []) + (
+        [ROOMY] if args.roomy else [])
+    if not arms or set(arms) - {*ARMS, "llama-server-unified", ROOMY}:
         raise KvrtError(f"--arms {args.arms!r}: pick from {', '.join(ARMS)}")
     agents = [int(n) for n in (args.agents or preset["agents"]).split(",")]
     if any(n < 1 for n in agents):
@@ -220,9 +233,12 @@ def run(args: argparse.Namespace) -> int:
                               args.flash_attn or preset["flash_attn"], args.threads)
         log(f"N={n}: {config.cells} cells, n_batch {config.n_batch}, flash attention {config.flash_attn}, "
             f"{path.name}; workloads " + ", ".join(f"{w} {s.cells_per_agent} cells/agent" for w, s in sizes.items()))
+        roomy = replace(config, cells=max(config.cells, auto_cells(n, sizes)))
+        short = [w for w, s in sizes.items() if _skip_reason("llama-server", config, s)]
+        ran = [a for a in arms if a != ROOMY or short]  # the roomy arm only where llama-server cannot run
         for k in range(args.rounds):
-            for name in arms if k % 2 == 0 else arms[::-1]:
-                arm = _make_arm(name, config, args, server, lib)
+            for name in ran if k % 2 == 0 else ran[::-1]:
+                arm = _make_arm(name, roomy if name == ROOMY else config, args, server, lib)
                 with arm:
                     arm.start(out / "logs" / f"{name}-n{n}-r{k}.log", args.start_timeout_s)
                     results["libraries"][name] = arm.libraries
@@ -240,8 +256,8 @@ def run(args: argparse.Namespace) -> int:
                         requests += [base | _request_row(r) for r in turns]
         if bench is not None:
             results["ideal"][str(n)] = {
-                w: batched_bench(bench, lib, config, s.first_prompt_tokens(), s.gen * s.turns, s.shared > 0,
-                                 args.bench_timeout_s) for w, s in sizes.items()}
+                w: batched_bench(bench, lib, roomy if args.roomy and w in short else config, s.first_prompt_tokens(),
+                                 s.gen * s.turns, s.shared > 0, args.bench_timeout_s) for w, s in sizes.items()}
             for w, ideal in results["ideal"][str(n)].items():
                 log(f"  {'ideal':>20} {w:>8}: " + (f"{ideal['t_s']:7.2f} s (batched-bench)" if "t_s" in ideal
                                                      else f"skipped ({ideal['skipped']})"))
@@ -277,6 +293,10 @@ def summarise(rows: list[dict[str, Any]], ideal: dict[str, Any],
                                          if key.startswith(("wall_s", "output_tokens_per_s", "ttft_"))}
                                      for a, got in ran.items() if got}
             kvrt, peer = ran.get("kvrt", []), ran.get("llama-server", [])
+            roomy = ran.get(ROOMY, [])
+            if kvrt and len(kvrt) == len(roomy):
+                point["kvrt_over_llama_server_roomy_wall"] = ratios([r["wall_s"] for r in kvrt],
+                                                                    [r["wall_s"] for r in roomy]).as_dict()
             if kvrt and len(kvrt) == len(peer):
                 point["kvrt_over_llama_server_wall"] = ratios([r["wall_s"] for r in kvrt],
                                                               [r["wall_s"] for r in peer]).as_dict()

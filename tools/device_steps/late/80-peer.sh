@@ -8,7 +8,8 @@
 # +64 new tokens), 64 output tokens a turn; ideal: llama-batched-bench of the same build.
 # One run per N (PEER_AGENTS, default "8 32 64"), each under PEER_N_TIMEOUT_S (default 240) so a cut-off N
 # keeps the earlier ones' results; llama-server skips a workload whose agents' histories do not fit its slots'
-# share of the cells (cells / N a slot: fanout from N = 20 on, swarm from N = 35, private from N = 39).
+# share of the cells (cells / N a slot: fanout from N = 20 on, swarm from N = 35, private from N = 39), and
+# llama-server-roomy (--roomy) runs exactly those with N x the history's cells (N = 32 fanout: 265,216).
 # Budget: ~PEER_N_TIMEOUT_S per N; give the step STEP_TIMEOUT to match (e.g. ONLY_STEP=80-peer STEP_TIMEOUT=560).
 # PEER_PROFILE_S=60: py-spy (carried as a wheel by tools/prepare_device.sh) samples kvrt's server of each N for that
 # long, every thread, raw stacks in n<N>/pyspy-kvrt.txt (the kvrt arm runs first).
@@ -49,7 +50,7 @@ for n in ${PEER_AGENTS:-8 32 64}; do
   fi
   # shellcheck disable=SC2086  # PEER_ARGS is a list of options
   eval timeout "${PEER_N_TIMEOUT_S:-240}" python3 -m kvrt.cli bench peer --out "$OUT_DIR/n$n" --preset h200 \
-    --model "$QWEN" --agents "$n" --llama-server "$SERVER" ${PEER_ARGS:-} > "$OUT_DIR/peer-n$n.log" 2>&1
+    --model "$QWEN" --agents "$n" --llama-server "$SERVER" --roomy ${PEER_ARGS:-} > "$OUT_DIR/peer-n$n.log" 2>&1
   echo "peer N=$n: rc=$? in $((SECONDS - t)) s"
   grep -E '^ +(kvrt|llama-server|ideal)' "$OUT_DIR/peer-n$n.log" | cut -c1-160
 done
