@@ -131,8 +131,9 @@ class Pending:
         self.stream.push(RequestEnd(len(request.prompt), 0, 0, error))
 
 
-def check_tokens(request: Request, n_vocab: int) -> None:
-    prompt = np.asarray(request.prompt, dtype=np.int64)
+def check_in_vocabulary(request: Request, n_vocab: int) -> None:
+    """Every prompt token of ``request`` in ``[0, n_vocab)`` (:class:`EngineError` naming the first that is not)."""
+    prompt = request.prompt_array
     bad = np.flatnonzero((prompt < 0) | (prompt >= n_vocab))
     if bad.size:
         raise EngineError(f"prompt token {int(prompt[bad[0]])} at position {int(bad[0])} is outside the "
@@ -157,7 +158,7 @@ def check_fits(request: Request, config: EngineConfig, n_vocab: int) -> None:
                               f"cells exceed the context's {n_cells}")
     if n > config.n_seq_max:
         raise RequestTooLarge(f"n={n} choices need {n} sequence slots; the engine has {config.n_seq_max}")
-    check_tokens(request, n_vocab)
+    check_in_vocabulary(request, n_vocab)
 
 
 def fits_a_slot(request: Request, cache: PrefixCache) -> bool:

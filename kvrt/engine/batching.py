@@ -49,7 +49,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvrt.engine.admission import EngineConfig, Pending, check_fits, check_tokens, fits_a_slot, place
+from kvrt.engine.admission import EngineConfig, Pending, check_fits, check_in_vocabulary, fits_a_slot, place
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.decode_step import Feed, fill, greedy_picks
@@ -182,7 +182,7 @@ class Engine:
         limit = self.cache.slot_cells  # a pin keeps the layout it was made in
         if len(request.prompt) > limit:
             raise RequestTooLarge(f"a pin of {len(request.prompt)} tokens exceeds a slot's {limit} cells")
-        check_tokens(request, self.model.n_vocab)
+        check_in_vocabulary(request, self.model.n_vocab)
         return self._enqueue(Pending(self._stream("pin", request, notify), [], pin=True))
 
     def unpin(self, pin_id: str) -> Future[bool]:
