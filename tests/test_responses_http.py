@@ -1,14 +1,16 @@
 """OpenAI's Responses API on kvrt (``/v1/responses``), driven by the official ``openai`` client over real HTTP.
 
 References: the same request through chat completions (a response is that answer, reshaped),
-the prompt jinja2 renders for the chained conversation (a chain is the conversation it says),
-and jsonschema (forced calls and JSON output fit their schemas). The model is the tiny test
+a chain's prompt written by hand (the earlier turn's exact tokens, then the ChatML text of what
+is new) and completed by a fresh server, llama.cpp's template for a conversation a chain renders
+again, and jsonschema (forced calls and JSON output fit their schemas). The model is the tiny test
 model with a tools template: its text is noise, so structure is what is checked.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -16,11 +18,12 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serve extra (pip install fastapi uvicorn openai) is not installed")
 jsonschema = pytest.importorskip("jsonschema")
 
+from kvrt.engine.batching import Engine, EngineConfig  # noqa: E402
 from kvrt.engine.chat import apply_chat_template  # noqa: E402
-from test_tools_http import ASK, WAIT_S, WEATHER_ARGS, rendered_tokens  # noqa: E402  (tests/ is on sys.path)
+from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
+from test_tools_http import ASK, WAIT_S, WEATHER_ARGS  # noqa: E402  (tests/ is on sys.path)
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "the weather", "parameters": WEATHER_ARGS}]
-CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +46,10 @@ def test_a_text_response_is_the_chat_answer_reshaped(client):
         (chat.usage.prompt_tokens, chat.usage.completion_tokens)
 
 
-def test_a_chain_continues_the_stored_conversation_from_its_cached_prompt(client, tools_server):
+def test_a_chain_continues_from_the_tool_calls_exact_tokens(client, tools_server):
+    """The forced call, as the model wrote it, stays in the conversation: the next request prefills only the
+    template's end of turn, the tool's answer (the template's text for a tool message, written here by hand) and
+    the generation prompt."""
     first = respond(client, input=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
                     max_output_tokens=160)
     (call,) = first.output
@@ -51,18 +57,88 @@ def test_a_chain_continues_the_stored_conversation_from_its_cached_prompt(client
     jsonschema.validate(json.loads(call.arguments), WEATHER_ARGS)
     second = respond(client, previous_response_id=first.id, tools=TOOLS,
                      input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
-    history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-                   {"id": call.call_id, "type": "function",
-                    "function": {"name": call.name, "arguments": call.arguments}}]},
-               {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}]
-    assert second.usage.input_tokens == len(rendered_tokens(tools_server["model"], history, CHAT_TOOLS))
-    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens  # not prefilled again
+    new = ("<|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n"
+           "<|im_start|>assistant\n")
+    earlier = first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens_details.cached_tokens == earlier  # not prefilled again
+    assert second.usage.input_tokens == earlier + len(tools_server["model"].tokenize(new, add_special=False,
+                                                                                     parse_special=True))
     assert second.previous_response_id == first.id
 
 
-def test_instructions_belong_to_their_own_request(client, tools_server):
+FORECAST = {"type": "string", "enum": ["Paris: sunny, 21 C"]}  # the grammar writes this, in tokens of its choosing
+
+
+@pytest.fixture(scope="module")
+def reference(tools_server: dict[str, Any]) -> Any:
+    """A second server on the same model, fresh: completions of given token ids (``return_tokens``), unchained."""
+    engine = Engine(tools_server["model"], EngineConfig(n_ctx=2048, n_seq_max=4, n_batch=128, flash_attn="off"))
+    server = OpenAIServer({"tiny-tools": engine})
+    host, port = server.start("127.0.0.1", 0)
+    try:
+        yield openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="unused", max_retries=0, timeout=WAIT_S)
+    finally:
+        server.stop()
+        engine.close()
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_chain_continues_from_the_exact_tokens_of_each_turn(client, tools_server, reference, streamed):
+    """Each answer is written in tokens that its text does not tokenize back to, so a chain that rendered the
+    answer again would prefill it (and all after it) again. Reference: the prompt written by hand (the earlier
+    prompt's and answer's exact ids, then the ChatML end of turn and the new user turn as text), completed
+    by a fresh server; the chain's answer is that completion, and only the new tokens were prefilled."""
+    model = tools_server["model"]
+    previous, exact = None, []
+    for ask in ["Forecast for Paris, exactly?", "And for tomorrow?", "And after that?"]:
+        ask += " (streamed)" if streamed else ""  # no prompt of the other run is cached
+        kwargs: dict[str, Any] = {"input": ask, "max_output_tokens": 64,
+                                  "text": {"format": {"type": "json_schema", "name": "forecast", "schema": FORECAST}}}
+        if previous is not None:
+            kwargs["previous_response_id"] = previous.id
+        if streamed:
+            with client.responses.stream(model="tiny-tools", temperature=0, **kwargs) as stream:
+                response = stream.get_final_response()
+        else:
+            response = respond(client, **kwargs)
+        new = ("<|im_end|>\n" if exact else "") + f"<|im_start|>user\n{ask}<|im_end|>\n<|im_start|>assistant\n"
+        prompt = exact + model.tokenize(new, add_special=not exact, parse_special=True)
+        expected = reference.completions.create(
+            model="tiny-tools", prompt=prompt, temperature=0, max_tokens=64,
+            extra_body={"return_tokens": True, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST}}}).choices[0]
+        tokens = expected.model_extra["tokens"]
+        assert expected.finish_reason == "stop" and json.loads(expected.text) == FORECAST["enum"][0]
+        assert model.tokenize(expected.text, add_special=False, parse_special=True) != tokens  # no round trip
+        assert response.output_text == expected.text
+        assert response.usage.input_tokens == len(prompt)
+        if exact:  # every earlier token was reused: only the new ones were prefilled
+            assert response.usage.input_tokens_details.cached_tokens == len(exact)
+        previous, exact = response, prompt + tokens
+
+
+def test_an_answer_cut_by_a_stop_string_is_rendered_again(client, tools_server, reference):
+    """Its tokens hold text its answer does not (the stop string): the chain renders the conversation it says,
+    which a fresh server completes to the same answer."""
+    full = respond(client, input="Say something.")
+    first = respond(client, input="Say something.", extra_body={"stop": [full.output_text[6:8]]})
+    assert first.output_text != full.output_text
+    second = respond(client, previous_response_id=first.id, input="And then?")
+    history = [{"role": "user", "content": "Say something."}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "And then?"}]
+    model = tools_server["model"]
+    prompt = model.tokenize(apply_chat_template(model, history), parse_special=True)
+    expected = reference.completions.create(model="tiny-tools", prompt=prompt, temperature=0, max_tokens=12)
+    assert (second.usage.input_tokens, second.output_text) == (len(prompt), expected.choices[0].text)
+
+
+def test_instructions_belong_to_their_own_request(client, tools_server, caplog):
+    """Without the earlier instructions the earlier conversation as rendered does not begin this one: it is
+    rendered whole again, and a debug line says so."""
     first = respond(client, input=ASK, instructions="Answer in French.")
-    second = respond(client, previous_response_id=first.id, input="And tomorrow?")
+    with caplog.at_level(logging.DEBUG, logger="kvrt.serve.http"):
+        second = respond(client, previous_response_id=first.id, input="And tomorrow?")
+    assert "does not begin this one" in caplog.text
     history = [*ASK, {"role": "assistant", "content": first.output_text}, {"role": "user", "content": "And tomorrow?"}]
     model = tools_server["model"]  # no tools in sight: llama.cpp's built-in template renders it
     assert second.usage.input_tokens == len(model.tokenize(apply_chat_template(model, history), parse_special=True))

@@ -81,6 +81,23 @@ def test_forced_calls_fit_their_schemas(client, choice, names, seed):
     assert_valid(choice0.message.tool_calls, names)
 
 
+BOUNDED_ARGS = {"type": "object", "properties": {"days": {"type": "integer", "minimum": 2, "maximum": 5},
+                                                 "offset": {"type": "integer", "exclusiveMinimum": -40,
+                                                            "exclusiveMaximum": -30},
+                                                 "count": {"type": "integer", "minimum": 1000}},
+                "required": ["days", "offset", "count"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_forced_integer_arguments_stay_within_their_bounds(client, seed):
+    """The tiny model writes random digits: only the grammar keeps each integer in its schema's range."""
+    tools = [{"type": "function", "function": {"name": "plan", "parameters": BOUNDED_ARGS}}]
+    response = chat(client, tools=tools, tool_choice={"type": "function", "function": {"name": "plan"}},
+                    temperature=1.0, seed=seed, parallel_tool_calls=False)
+    (call,) = response.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), BOUNDED_ARGS)
+
+
 def test_a_forced_choice_replaces_response_format(client):
     """As with OpenAI: the output of a forced choice is calls; a text format governs text only."""
     response = chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=0,

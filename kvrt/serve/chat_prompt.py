@@ -75,22 +75,27 @@ def chat_prompt(model: Model, messages: Sequence[ChatMessageBody], *, tools: lis
                 generation: bool = True, limit: tuple[int, int] | None = None) -> list[int]:
     """Tokens of ``messages`` (and ``tools``, which the model is told of) rendered by the model's chat template
     (special-token text parsed); ``limit``: see :func:`kvrt.serve.openai_schema.text_tokens`."""
+    text, add_special = chat_text(model, messages, tools=tools, generation=generation)
+    return text_tokens(model, text, limit=limit, param="messages", add_special=add_special)
+
+
+def chat_text(model: Model, messages: Sequence[ChatMessageBody], *, tools: list[dict[str, Any]] | None = None,
+              generation: bool = True) -> tuple[str, bool]:
+    """``messages`` (and ``tools``) rendered by the model's chat template, and whether the tokenizer is to add its
+    special tokens (not when a Jinja template wrote the BOS itself: it must not get a second one)."""
     turns = _turns(messages)
     with_tools = tools is not None or any("tool_calls" in t or t["role"] == "tool" for t in turns)
     source = jinja_template(model) if with_tools else None
-    bos_written = False  # a Jinja template that writes the BOS itself must not get a second one from the tokenizer
     try:
         if source is not None:
             bos = model.special_text("bos")
             text = render_jinja(source, turns, tools=tools, add_generation_prompt=generation, bos_token=bos,
                                 eos_token=model.special_text("eos"))
-            bos_written = bool(bos) and text.startswith(bos)
-        else:
-            plain = _fallback_turns(turns, tools) if with_tools else turns
-            text = apply_chat_template(model, plain, add_generation_prompt=generation)
+            return text, not (bool(bos) and text.startswith(bos))
+        plain = _fallback_turns(turns, tools) if with_tools else turns
+        return apply_chat_template(model, plain, add_generation_prompt=generation), True
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
-    return text_tokens(model, text, limit=limit, param="messages", add_special=not bos_written)
 
 
 def tools_of(body: ChatBody) -> list[dict[str, Any]] | None:

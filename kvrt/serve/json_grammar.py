@@ -5,26 +5,35 @@ One :class:`GrammarBuilder` holds one llama-cpp-python ``SchemaConverter``, so s
 rules (``space``, ``string``, ...) and keep their own ``$ref`` targets apart (each schema's
 references are resolved under its own URL). A schema the converter cannot express is an
 :class:`ApiError` (400) naming the request field it came from; nothing is allocated before.
+
+Bounds: an ``integer``'s ``minimum`` / ``maximum`` / ``exclusiveMinimum`` / ``exclusiveMaximum``
+(numbers, or draft 4's boolean ``exclusive*`` beside ``minimum`` / ``maximum``) are enforced,
+the integers in range written by :func:`kvrt.serve.integer_range.integer_range` (the converter
+ignores them); bounds no integer fits, or that are not numbers, are a 400. A ``number``'s bounds
+are not enforced (a digit-range construction for decimals and exponents is not written).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from typing import Any
 
 from kvrt.serve.api_error import ApiError
+from kvrt.serve.integer_range import integer_range
 
 _ROOT_DEF = "kvrt-root"
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_BEFORE_TYPE = ("$ref", "oneOf", "anyOf", "const", "enum")  # keys the converter reads before a schema's type
 
 
 class GrammarBuilder:
     """Rules of one grammar: schemas added with :meth:`add`, plain GBNF rules with :meth:`rule`."""
 
     def __init__(self, prop_order: tuple[str, ...] = ()) -> None:
-        from llama_cpp.llama_grammar import SchemaConverter
-
-        self._converter = SchemaConverter(prop_order={name: i for i, name in enumerate(prop_order)},
-                                          allow_fetch=False, dotall=False, raw_pattern=False)
+        self._converter = _converter_class()(prop_order={name: i for i, name in enumerate(prop_order)},
+                                             allow_fetch=False, dotall=False, raw_pattern=False)
 
     def add(self, schema: dict[str, Any], name: str, *, param: str) -> str:
         """Rules for ``schema`` (its root rule named ``name``; ``""`` is the grammar's ``root``); returns the root
@@ -33,6 +42,8 @@ class GrammarBuilder:
         try:
             resolved = self._converter.resolve_refs(schema, f"kvrt:{param}")
             return str(self._converter.visit(resolved, name))
+        except _BadBounds as exc:
+            raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_schema") from None
         except Exception as exc:  # the converter raises plain exceptions for schemas it cannot express
             raise ApiError(400, f"{param}: the JSON schema cannot be converted to a grammar ({exc})", param=param,
                            code="invalid_schema") from None
@@ -47,6 +58,61 @@ class GrammarBuilder:
 
     def text(self) -> str:
         return str(self._converter.format_grammar())
+
+
+class _BadBounds(ValueError):
+    """An integer's bounds that no integer fits, or that are not numbers."""
+
+
+@functools.cache
+def _converter_class() -> Any:
+    """llama-cpp-python's ``SchemaConverter`` with integer bounds enforced (it writes every integer alike);
+    llama_cpp is imported on first use, as it was before this subclass."""
+    from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
+
+    class Converter(SchemaConverter):
+        def visit(self, schema: dict[str, Any], name: str) -> str:
+            kind = schema.get("type")
+            bounded = any(k in schema for k in _BOUNDS) and not any(k in schema for k in _BEFORE_TYPE)
+            if bounded and kind == "integer":
+                lo, hi = integer_bounds(schema)
+                rule_name = name + "-" if name in RESERVED_NAMES else name or "root"
+                return str(self._add_rule(rule_name, f"{integer_range(lo, hi)} space"))
+            if bounded and isinstance(kind, list) and "integer" in kind:
+                # the converter would write each type bare ({"type": t}), dropping the bounds
+                rest = {k: v for k, v in schema.items() if k != "type"}
+                return str(super().visit({"anyOf": [{**rest, "type": t} for t in kind]}, name))
+            return str(super().visit(schema, name))
+
+    return Converter
+
+
+def integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
+    """The least and greatest integers ``schema``'s bounds allow (``None``: that side is open); raises
+    :class:`_BadBounds` for a bound that is not a finite number (draft 4's boolean ``exclusive*`` aside) and
+    for bounds that no integer fits."""
+    for key in _BOUNDS:
+        value = schema.get(key, 0)
+        if isinstance(value, bool) and key.startswith("exclusive"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _BadBounds(f"{key} must be a finite number, got {value!r}")
+    lows, highs = [], []
+    if "minimum" in schema:
+        least = schema["minimum"]
+        lows.append(math.floor(least) + 1 if schema.get("exclusiveMinimum") is True else math.ceil(least))
+    if "maximum" in schema:
+        most = schema["maximum"]
+        highs.append(math.ceil(most) - 1 if schema.get("exclusiveMaximum") is True else math.floor(most))
+    if not isinstance(schema.get("exclusiveMinimum", False), bool):
+        lows.append(math.floor(schema["exclusiveMinimum"]) + 1)
+    if not isinstance(schema.get("exclusiveMaximum", False), bool):
+        highs.append(math.ceil(schema["exclusiveMaximum"]) - 1)
+    lo, hi = max(lows, default=None), min(highs, default=None)
+    if lo is not None and hi is not None and lo > hi:
+        shown = ", ".join(f"{k} {schema[k]!r}" for k in _BOUNDS if k in schema)
+        raise _BadBounds(f"no integer fits the bounds ({shown})")
+    return lo, hi
 
 
 def schema_grammar(schema: dict[str, Any], *, param: str) -> str:

@@ -16,7 +16,8 @@ choice's token ids beside its text, so a client can continue a completion
 token-exactly. ``logit_bias`` (token id -> [-100, 100]) is added to those tokens' logits by
 llama.cpp's logit-bias sampler before any other stage. ``response_format`` ``json_object`` / ``json_schema``
 constrain the output through llama.cpp's grammar sampler, the schema converted to
-GBNF by llama-cpp-python's converter (:mod:`kvrt.serve.json_grammar`). Chat bodies take
+GBNF by llama-cpp-python's converter with integer bounds added (:mod:`kvrt.serve.json_grammar`;
+a ``number``'s bounds are not enforced). Chat bodies take
 ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` and messages with ``tool_calls`` (each
 call's ``arguments`` JSON text of an object) or ``tool_call_id``; what they mean together is
 checked in :mod:`kvrt.serve.chat_prompt`.

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import socket
@@ -104,6 +105,7 @@ from kvrt.serve.openai_schema import (
     pieces_text,
     text_tokens,
 )
+from kvrt.serve.response_chain import ExactTurn, continued_prompt
 from kvrt.serve.responses import StoredResponse, chat_request, output_items, output_turn, response_object
 from kvrt.serve.responses_stream import ResponseEvents
 from kvrt.serve.sse import KEEPALIVE, Bridge, Waker, paced, sse
@@ -261,13 +263,18 @@ class OpenAIServer:
         return await self._run(request, "chat", body, engine, prompt, body.max_completion_tokens or body.max_tokens,
                                (body.top_logprobs or 0) if body.logprobs else None, plan)
 
-    async def _chat_prompt(self, body: ChatBody) -> tuple[Engine, list[int], ToolPlan | None]:
-        """A chat body's engine, prompt tokens and tool plan."""
+    async def _chat_prompt(self, body: ChatBody,
+                           earlier: ExactTurn | None = None) -> tuple[Engine, list[int], ToolPlan | None]:
+        """A chat body's engine, prompt tokens and tool plan; ``earlier``: the stored turn that ``body`` continues
+        (see :mod:`kvrt.serve.response_chain`)."""
         engine = self._engine(body.model)
         limit = await self._limit(body.model)
         plan = await self._off_loop(lambda: tool_plan(body, engine.model))
-        prompt = await self._off_loop(lambda: chat_prompt(engine.model, body.messages, tools=tools_of(body),
-                                                          limit=limit))
+        if earlier is not None:
+            prompt = await self._off_loop(lambda: continued_prompt(engine.model, body, earlier, limit=limit))
+        else:
+            prompt = await self._off_loop(lambda: chat_prompt(engine.model, body.messages, tools=tools_of(body),
+                                                              limit=limit))
         return engine, prompt, plan
 
     async def responses(self, request: HttpRequest) -> Response:
@@ -279,25 +286,29 @@ class OpenAIServer:
         earlier = self._stored_response(previous, "previous_response_id") if previous is not None else None
         chat, conversation = chat_request(raw, earlier)
         body = parse(ChatBody, chat)
-        engine, prompt, plan = await self._chat_prompt(body)
+        engine, prompt, plan = await self._chat_prompt(body, earlier.turn if earlier is not None else None)
         stream, bridge, shaper = self._start(request, "chat", body, engine, prompt, body.max_tokens, None, plan)
         response_id, store = f"resp_{uuid.uuid4().hex}", raw.get("store", True)
+        keep = functools.partial(self._store_response, chat, conversation, prompt) if store else None
         if raw.get("stream"):
             writer = ResponseEvents(raw, response_id, int(time.time()))
-            chunks = await self._chunks(request, stream, bridge, shaper, usage=True)
-            return StreamingResponse(self._response_sse(writer, chunks, conversation if store else None),
-                                     media_type="text/event-stream")
-        answer = shaper.response(await self._collect(request, stream, bridge))
+            choices: list[ChoiceResult] = []
+            chunks = await self._chunks(request, stream, bridge, shaper, usage=True, choices=choices)
+            return StreamingResponse(self._response_sse(writer, chunks, keep, choices), media_type="text/event-stream")
+        result = await self._collect(request, stream, bridge)
+        answer = shaper.response(result)
         choice = answer["choices"][0]
         response = response_object(raw, response_id, answer["created"], output_items(choice["message"]),
                                    finish_reason=choice["finish_reason"], usage=answer["usage"])
-        if store:
-            self._store_response(conversation, response)
+        if keep is not None:
+            keep(result.choices[0], response)
         return JSONResponse(response)
 
     async def _response_sse(self, writer: ResponseEvents, chunks: Chunks,
-                            conversation: list[dict[str, Any]] | None) -> AsyncIterator[str]:
-        """A streamed response's SSE text; the finished response is stored when ``conversation`` is given."""
+                            keep: Callable[[ChoiceResult, dict[str, Any]], None] | None,
+                            choices: list[ChoiceResult]) -> AsyncIterator[str]:
+        """A streamed response's SSE text; the finished response is kept by ``keep`` (if given) with its choice,
+        which ``chunks`` put in ``choices`` as the request ended."""
         for event in writer.opening():
             yield event
         async with contextlib.aclosing(chunks):
@@ -307,12 +318,16 @@ class OpenAIServer:
                     continue
                 for event in writer.feed(chunk):
                     yield event
-        if writer.response is not None and conversation is not None:
-            self._store_response(conversation, writer.response)
+        if writer.response is not None and keep is not None:  # the usage chunk came: choices holds the result
+            keep(choices[0], writer.response)
 
-    def _store_response(self, conversation: list[dict[str, Any]], response: dict[str, Any]) -> None:
-        """Keep ``response`` for ``previous_response_id`` and ``GET``: the conversation it ended, its output last."""
-        stored = StoredResponse(response["model"], [*conversation, output_turn(response["output"])], response)
+    def _store_response(self, chat: dict[str, Any], conversation: list[dict[str, Any]], prompt: list[int],
+                        choice: ChoiceResult, response: dict[str, Any]) -> None:
+        """Keep ``response`` for ``previous_response_id`` and ``GET``: the conversation it ended (its output last)
+        and its turn's exact tokens (``prompt``, then ``choice``'s), which a chain continues from."""
+        answer = output_turn(response["output"])
+        stored = StoredResponse(response["model"], [*conversation, answer], response,
+                                ExactTurn.of(chat, answer, prompt, choice))
         self._keep(self._responses, response["id"], stored)
 
     async def get_response(self, response_id: str) -> dict[str, Any]:
@@ -557,18 +572,19 @@ class OpenAIServer:
         return first
 
     async def _chunks(self, request: HttpRequest, stream: RequestStream, bridge: Bridge, shaper: Shaper,
-                      usage: bool) -> Chunks:
+                      usage: bool, choices: list[ChoiceResult] | None = None) -> Chunks:
         """A streamed request's chunks, once it was admitted (a refusal before its first output or keep-alive is
         raised here as an HTTP error); see :meth:`_stream`."""
         events = paced(bridge.events(stream), self.sse_keepalive_s)
         first = await self._admitted(request, stream, events)
-        return self._stream(stream, events, first, shaper, usage, request.state.kvrt)
+        return self._stream(stream, events, first, shaper, usage, request.state.kvrt, choices)
 
     async def _stream(self, stream: RequestStream, events: AsyncIterator[Event | None], first: list[Event | None],
-                      shaper: Shaper, usage: bool, record: RequestRecord) -> Chunks:
+                      shaper: Shaper, usage: bool, record: RequestRecord,
+                      choices: list[ChoiceResult] | None = None) -> Chunks:
         """Chat chunks as tokens arrive (``first``: the events already taken from ``events``), an error body if
         the request failed, and ``None`` where a keep-alive is due; leaving early (a disconnect) cancels the
-        request."""
+        request. A request that ends without an error puts its choices' results in ``choices`` (if given)."""
         collector = ResultCollector(stream.request.n)
 
         async def everything() -> AsyncIterator[Event | None]:
@@ -598,6 +614,8 @@ class OpenAIServer:
                     yield ApiError(500, f"the request failed: {event.error}", kind="server_error").body()
                 else:
                     self._remember(shaper.id, shaper.model_name, list(stream.request.prompt), collector.choices)
+                    if choices is not None:
+                        choices.extend(collector.choices)
                     if usage:
                         yield shaper.usage_chunk(event)
         finally:

@@ -6,10 +6,10 @@ the chat path (templates, tools, grammars); the chat answer is written back as a
 a ``message`` item with its ``output_text``, then a ``function_call`` item per call.
 
 Chains: a stored response (``store``, the default) keeps its conversation, its input turns
-then its output turn; a request naming it as ``previous_response_id`` continues that
-conversation. Rendered again by the same template the continued conversation begins with
-the earlier request's prompt, whose cells the engine still holds as a cached prefix: only
-what is new (the earlier answer as the template writes it, and the new input) is prefilled.
+then its output turn, and the exact tokens of its turn (its prompt's, then the ones generated);
+a request naming it as ``previous_response_id`` continues that conversation from those tokens,
+whose cells the engine still holds as a cached prefix: only what is new (the template's end of
+turn and the new input) is prefilled (:mod:`kvrt.serve.response_chain`).
 ``instructions`` belong to their own request only (OpenAI's rule: they are not carried on).
 ``text.format`` (``json_object``, ``json_schema``) is chat's ``response_format``; a stream is
 written by :mod:`kvrt.serve.responses_stream`. Not served, each a 400 naming it: built-in tools
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrt.serve.api_error import ApiError
+from kvrt.serve.response_chain import ExactTurn
 
 # fields of a Responses body that are the chat body's under another name, or the same
 _RENAMED = {"max_output_tokens": "max_tokens"}
@@ -34,11 +35,13 @@ _ROLES = ("user", "assistant", "system", "developer")
 
 @dataclass(frozen=True)
 class StoredResponse:
-    """A stored response: its model, its conversation (chat messages, output turn last) and the object itself."""
+    """A stored response: its model, its conversation (chat messages, output turn last), the object itself and
+    its turn's exact tokens (``None``: its chain renders it again; see :mod:`kvrt.serve.response_chain`)."""
 
     model: str
     conversation: list[dict[str, Any]]
     response: dict[str, Any]
+    turn: ExactTurn | None
 
 
 def chat_request(raw: Mapping[str, Any], earlier: StoredResponse | None) -> tuple[dict[str, Any], list[dict[str, Any]]]:
