@@ -2,12 +2,22 @@
 that stops taking writes is reported, never answered with a plain OK (CPU llama.cpp, tiny models).
 
 The reference for "continues token-exactly" is the same turns in a daemon that was never interrupted.
+A state dir stops taking writes three ways (:data:`READ_ONLY_WAYS`): kvrt's writes patched to fail
+with ``EROFS`` (runs everywhere), a real read-only bind mount (``EROFS`` from the kernel; in a child
+process inside ``unshare -rm``, a user and mount namespace that an unprivileged user may make where
+the kernel allows it), and the directory's write permission taken away (``EACCES`` from the kernel;
+permission bits do not bind root). A way this machine cannot take is skipped with the reason.
 """
 
 from __future__ import annotations
 
 import errno
+import os
+import shutil
 import socket
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -105,6 +115,52 @@ def fail_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("kvrt.state.snapshot_file.write_atomic", refuse)
 
 
+READ_ONLY_WAYS = {"patched": "Read-only file system", "mount": "Read-only file system", "chmod": "Permission denied"}
+MOUNT_NS_ENV = "KVRT_TEST_IN_MOUNT_NS"  # set in the child that runs inside ``unshare -rm``
+
+
+def read_only(way: str, state: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """Make ``state`` stop taking writes ``way``; returns what makes it writable again (harmless twice)."""
+    if way == "patched":
+        fail_writes(monkeypatch)
+        return monkeypatch.undo
+    if way == "mount":
+        for argv in (["mount", "--bind", state, state], ["mount", "-o", "remount,bind,ro", state]):
+            subprocess.run(argv, check=True, capture_output=True)
+        return lambda: subprocess.run(["umount", state], check=False, capture_output=True) and None
+    state.chmod(0o500)
+    return lambda: state.chmod(0o700)
+
+
+def refuse_unavailable(way: str, tmp_path: Path) -> None:
+    """Skip, with the reason, a way this process cannot take: ``chmod`` where permission bits do not stop it
+    (root, or any process with ``CAP_DAC_OVERRIDE``)."""
+    if way != "chmod":
+        return
+    probe = tmp_path / "probe"
+    probe.mkdir(mode=0o500)
+    try:
+        (probe / "x").touch()
+    except PermissionError:
+        return
+    pytest.skip(f"permission bits do not stop this user (uid {os.geteuid()}) from writing: no EACCES to test")
+
+
+def in_a_mount_namespace(test_id: str) -> None:
+    """Run test ``test_id`` of this file in a child inside a new user and mount namespace (``unshare -rm``), where a
+    bind mount may be remounted read-only without root; skip, with the reason, where that is refused."""
+    tried = subprocess.run(["unshare", "-rm", "true"], capture_output=True, text=True, check=False) \
+        if shutil.which("unshare") else None
+    if tried is None or tried.returncode != 0:
+        why = "no unshare command" if tried is None else tried.stderr.strip() or f"exit {tried.returncode}"
+        pytest.skip(f"cannot make a user and mount namespace here ({why}): no real read-only mount to test")
+    done = subprocess.run(["unshare", "-rm", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           f"{__file__}::{test_id}"], cwd=Path(__file__).parent.parent,
+                          env={**os.environ, MOUNT_NS_ENV: "1"}, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+
+
 def service(mode: str, state: Path) -> Scheduler | BatchedScheduler:
     """An agent service of ``mode`` on the state dir ``state``."""
     if mode == "per-agent":
@@ -113,9 +169,14 @@ def service(mode: str, state: Path) -> Scheduler | BatchedScheduler:
                             config=BatchConfig(n_ctx=1024, n_seq_max=4, n_threads=1))
 
 
+@pytest.mark.parametrize("way", sorted(READ_ONLY_WAYS))
 @pytest.mark.parametrize("mode", ["per-agent", "batched"])
 def test_a_state_dir_that_turns_read_only_is_reported_on_the_turn_in_status_and_at_close(
-        mode, monkeypatch, sock_dir, tmp_path, tiny_model_path):
+        mode, way, monkeypatch, sock_dir, tmp_path, tiny_model_path, request):
+    if way == "mount" and not os.environ.get(MOUNT_NS_ENV):
+        in_a_mount_namespace(request.node.name)
+        return
+    refuse_unavailable(way, tmp_path)
     state = tmp_path / "state"
     sched = service(mode, state)
     server = Daemon(sock_dir / "ro.sock", sched).start()
@@ -124,9 +185,10 @@ def test_a_state_dir_that_turns_read_only_is_reported_on_the_turn_in_status_and_
             client.register("kept", tiny_model_path, N_CTX)
             assert client.decode("kept", "first words", 3).fields["state_saved"] == "true"
             saved = sched.transcript("kept")
-            fail_writes(monkeypatch)
+            writable_again = read_only(way, state, monkeypatch)
+            request.addfinalizer(writable_again)  # also when an assertion below fails
             turn = client.decode("kept", "second words", 3)
-            assert turn.fields["state_saved"] == "false" and "Read-only" in turn.fields["state_error"]
+            assert turn.fields["state_saved"] == "false" and READ_ONLY_WAYS[way] in turn.fields["state_error"]
             with pytest.raises(DaemonReplyError) as refused:
                 client.register("new", tiny_model_path, N_CTX)
             assert refused.value.code == "STATE_NOT_SAVED" and "'new'" in str(refused.value)
@@ -137,7 +199,7 @@ def test_a_state_dir_that_turns_read_only_is_reported_on_the_turn_in_status_and_
     finally:
         server.stop()
     assert set(sched.store.unsaved) == {"kept"}  # close() tried again and still could not save it
-    monkeypatch.undo()
+    writable_again()
     with service(mode, state) as again:  # the last saved state: before the second turn
         assert again.state_problems == [] and again.transcript("kept") == saved
 

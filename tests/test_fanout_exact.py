@@ -15,10 +15,19 @@ What each mode promises (kvrt.branching.branches' docstring):
 "Near-tie": where the outputs first differ, the reference's top two logits are within
 ``TIE`` of each other. A branch that read the wrong cells would differ where the reference
 is sure of its token, far above that.
+
+``exact=True`` is promised on every CPU kernel set: :func:`test_exact_on_every_cpu_kernel_set`
+runs the two exact tests again in a child process per set this machine can force
+(:data:`KERNEL_SETS`: one thread, llama.cpp's tiled quantized matmul off or forced, its op
+fusion off, the extra buffer types the other way from this machine's verdict); the
+environment variables must be set before llama.cpp is loaded, hence the child.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -33,9 +42,20 @@ from kvrt.engine.generation import GenerationParams, prefill
 from kvrt.engine.model import Model
 from kvrt.state.contextpool import ContextPool
 from kvrt.state.snapshot import Snapshot
-from kvrt.system.cpu import llama_cpp_llama
+from kvrt.system.cpu import EXTRA_BUFTS_ENV, llama_cpp_llama, safe_extra_bufts
 
-N_THREADS = 2
+KERNEL_SET_ENV = "KVRT_TEST_KERNEL_SET"  # set in a kernel set's child run
+THREADS_ENV = "KVRT_TEST_THREADS"
+N_THREADS = int(os.environ.get(THREADS_ENV, "2"))
+KERNEL_SETS = {  # name -> the environment that forces it (read once, when llama.cpp's CPU backend first needs it)
+    "threads-1": {THREADS_ENV: "1"},
+    "tiled-mm-off": {"GGML_CPU_TILED_MM": "0"},  # quantized matmuls by ggml's vec_dot, not the tiled kernel
+    "tiled-mm-forced": {"GGML_CPU_TILED_MM_FORCE": "1"},  # the tiled kernel even where it is not profitable
+    "fusion-off": {"GGML_CPU_DISABLE_FUSION": "1"},
+    "extra-bufts-on": {EXTRA_BUFTS_ENV: "on"},  # AMX / repacked weights
+    "extra-bufts-off": {EXTRA_BUFTS_ENV: "off"},
+}
+EXACT_TESTS = "test_shared_exact_is_token_identical or test_isolated_exact_is_token_identical"
 SETTINGS = {"n_batch": 512, "n_threads": N_THREADS, "flash_attn": "off"}
 LONG_DOC = 934
 MAX_TOKENS = 16
@@ -228,3 +248,21 @@ def test_exact_is_token_identical_with_flash_attention_on(demo_model, demo_model
     for mode in ("shared", "isolated"):
         result = fanout(demo_model, long_doc, BRANCHES[:2], mode=mode, exact=True, **settings)
         assert tokens_of(result) == refs, mode
+
+
+@pytest.mark.skipif(bool(os.environ.get(KERNEL_SET_ENV)), reason="inside a kernel set's child run")
+@pytest.mark.parametrize("kernel_set", sorted(KERNEL_SETS))
+def test_exact_on_every_cpu_kernel_set(kernel_set: str, demo_model_path: Path):
+    """The exact tests pass in a child process forced onto ``kernel_set``: the reference and kvrt both run on it."""
+    env = KERNEL_SETS[kernel_set]
+    verdict = safe_extra_bufts()
+    bufts = env.get(EXTRA_BUFTS_ENV)
+    if bufts == ("on" if verdict.use_extra_bufts else "off"):
+        pytest.skip(f"the kernels this run already uses ({EXTRA_BUFTS_ENV} decided {bufts}: {verdict.reason})")
+    if bufts == "on":
+        pytest.skip(f"kvrt keeps llama.cpp's CPU extra buffer types off on this CPU ({verdict.reason})")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", EXACT_TESTS,
+                           __file__], cwd=Path(__file__).parent.parent, env={**os.environ, **env,
+                                                                             KERNEL_SET_ENV: kernel_set},
+                          capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]

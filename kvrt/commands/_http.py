@@ -57,6 +57,11 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sse-keepalive-s", type=seconds(zero=False), default=15.0,
                        help="send a streamed request an SSE comment (': keep-alive') after this many seconds without "
                             "output: while it waits in the queue or for its first token, so proxies keep it open")
+    group.add_argument("--exact-prefix", action="store_true",
+                       help="every request (and pin) that sets no exact_prefix of its own gets exact_prefix: its "
+                            "prompt's logits are those of a cold evaluation of the same prompt, bit for bit: a cached "
+                            "prefix is reused only in whole prefill units computed alone, and the rest is prefilled "
+                            "in steps of its own (the others wait those steps); exact in the split KV layout")
     group.add_argument("--request-timeout-s", type=seconds(zero=False), default=argparse.SUPPRESS,
                        help="end any request after this many seconds, finish_reason 'deadline' (none: no limit)")
 
@@ -135,7 +140,7 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
         server = OpenAIServer(engines, default_max_tokens=args.max_tokens,
                               request_timeout_s=getattr(args, "request_timeout_s", None),
                               max_input_bytes=args.max_input_bytes, api_key=args.api_key,
-                              sse_keepalive_s=args.sse_keepalive_s)
+                              sse_keepalive_s=args.sse_keepalive_s, exact_prefix=args.exact_prefix)
         address = server.start(host_name, port)  # an address it cannot listen on: KvrtError, one line
     except BaseException:
         _free(registry, engines, leases)

@@ -7,7 +7,10 @@ whether slots and cells are free now (``None``: wait), and if so claims the slot
 (a request continues its own cached conversation in place, see :func:`_first_slot`),
 shares the prefix with ``seq_cp`` and, in the unified layout, evicts least recently
 used cached prefixes until the request's worst case fits beside what running requests
-may still write.
+may still write. An ``exact`` request reuses only the whole prefill units of a prefix
+that were computed cold (:meth:`kvrt.engine.prefix_cache.PrefixCache.cold_prefix`): the
+rest of its prompt, prefilled from there in steps of its own, then lands in the
+micro-batches a cold prefill of the same prompt would use.
 """
 
 from __future__ import annotations
@@ -101,6 +104,24 @@ class EngineConfig:
         turns unified for a request that needs it)."""
         return self.split_cells if self.kv_layout == "split" else self.pool_cells
 
+    @property
+    def n_ubatch(self) -> int:
+        """The micro-batch llama.cpp splits a step's batch into."""
+        return min(self.n_batch, 512)
+
+    @property
+    def prefill_unit(self) -> int:
+        """How often the micro-batch boundaries of a cold prefill repeat, counted from position 0.
+
+        A prompt prefilled alone goes in steps of ``min(prefill_chunk, n_batch)`` tokens, each
+        split into micro-batches of :attr:`n_ubatch`: the boundaries fall on every multiple of the
+        micro-batch when the step is a multiple of it, else on every multiple of the step. A
+        prefill resumed at a multiple of this unit, alone in its steps, computes every later
+        position in the micro-batch a cold prefill puts it in.
+        """
+        step = min(self.prefill_chunk, self.n_batch)
+        return self.n_ubatch if step % self.n_ubatch == 0 else step
+
     def starts_shared(self) -> bool:
         """Whether the engine's first context is unified (``auto`` starts split where it can)."""
         return self.kv_layout == "unified" or not self.split_cells
@@ -108,7 +129,7 @@ class EngineConfig:
     def context_params(self, shared: bool) -> ContextParams:
         """The context of one layout: ``shared`` (unified) or one stream of :attr:`split_cells` per slot."""
         n_ctx = self.n_ctx if shared else self.split_cells * self.n_seq_max
-        return ContextParams(n_ctx=n_ctx, n_batch=self.n_batch, n_ubatch=min(self.n_batch, 512),
+        return ContextParams(n_ctx=n_ctx, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
                              n_seq_max=self.n_seq_max, kv_unified=shared, n_threads=self.n_threads,
                              flash_attn=self.flash_attn)
 
@@ -177,14 +198,18 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
     it (a step or two) and then shares those cells instead of prefilling them again, so
     many agents starting with one preamble prefill it once. Raises
     :class:`RequestTooLarge` when pinned prefixes leave too few slots or cells for good.
+
+    An ``exact`` request's shared prefix ends on a multiple of the cache's unit, within what
+    its source computed cold: a prefix that ends mid-unit is recomputed from the unit's start.
     """
     request = pending.stream.request
     prompt = request.prompt
+    unit = cache.unit if request.exact else 1
     limit = len(prompt) - (0 if pending.pin else 1)  # a choice samples the last prompt token's logits
-    src, m = cache.longest_prefix(request.prompt_array)
-    m = min(m, limit)
-    entry, h = cache.host_prefix(request.prompt_array)
-    h = min(h, limit)
+    src, m = cache.longest_prefix(request.prompt_array, cold=request.exact)
+    m = min(m, limit) // unit * unit
+    entry, h = cache.host_prefix(request.prompt_array, cold=request.exact)
+    h = min(h, limit) // unit * unit
     if min(coming, len(prompt) - 1) >= max(m, h) + WAIT_FOR_SHARE:
         return None
     if entry is not None and h > m:  # a host copy holds more: restore it into a new slot (its cells are new)

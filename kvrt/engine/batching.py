@@ -11,7 +11,10 @@ thread that repeats :meth:`Engine.step`:
 3. one :class:`kvrt.engine.batch.Batch`: the last sampled token of every decoding choice,
    then prompt chunks of at most ``prefill_chunk`` tokens per request, round robin, up
    to ``n_batch`` tokens: a long prompt never stalls the others for more than a chunk
-   (split layout: rows in slot order, so llama.cpp computes consecutive streams together);
+   (split layout: rows in slot order, so llama.cpp computes consecutive streams together).
+   While an ``exact`` request prefills, a step holds one chunk of it and nothing else (the
+   others wait that step): llama.cpp's CPU kernels round by micro-batch shape, and this is
+   the shape a cold prefill gives the chunk;
 4. one ``ctx.decode``; then the mirror of the cells is updated, the forks of ``n > 1``
    requests share the chunk's cells, ``after_chunk(p0, p1)`` hooks run, and every row
    with logits is sampled by its choice's own sampler and streamed out.
@@ -128,7 +131,7 @@ class Engine:
         self.ctx = Context(model, self.config.context_params(self.config.starts_shared()))
         try:
             tier = HostTier(self.config.host_bytes, memory=host_memory) if self.config.host_bytes else None
-            self.cache = PrefixCache(self.ctx, tier)
+            self.cache = PrefixCache(self.ctx, tier, unit=self.config.prefill_unit)
             self.batch = Batch(self.ctx.n_batch)
         except BaseException:
             self.ctx.close()
@@ -173,12 +176,15 @@ class Engine:
                 sampler.close()
             raise
 
-    def pin(self, tokens: Sequence[int], *, notify: Callable[[], None] | None = None) -> RequestStream:
+    def pin(self, tokens: Sequence[int], *, notify: Callable[[], None] | None = None,
+            exact: bool = False) -> RequestStream:
         """Prefill ``tokens`` (sharing any cached prefix) and keep their cells until :meth:`unpin`.
 
-        The stream's id is the pin's id; its :class:`RequestEnd` says the prefix is in.
+        The stream's id is the pin's id; its :class:`RequestEnd` says the prefix is in. ``exact``: prefilled
+        as an exact request is (see :class:`Request`), so exact requests can reuse all of it that a cold
+        prefill would compute the same way.
         """
-        request = Request(tokens, GenerationParams(max_tokens=1))
+        request = Request(tokens, GenerationParams(max_tokens=1), exact=exact)
         limit = self.cache.slot_cells  # a pin keeps the layout it was made in
         if len(request.prompt) > limit:
             raise RequestTooLarge(f"a pin of {len(request.prompt)} tokens exceeds a slot's {limit} cells")
@@ -353,15 +359,20 @@ class Engine:
                 self._end(live)
 
     def _fill(self) -> list[_Row]:
-        """This step's batch: every decoding choice's token, then prompt chunks within the budget, round robin."""
+        """This step's batch: every decoding choice's token, then prompt chunks within the budget, round robin;
+        while exact requests prefill, one chunk of one of them (round robin) alone."""
         owners: list[tuple[Live, Choice | None]] = []
         feeds: list[Feed] = []
-        for live in self._live:
-            for choice in live.choices:
-                if choice.pending is not None:
-                    owners.append((live, choice))
-                    feeds.append(Feed(choice.slot, choice.pos, (choice.pending,)))
         prefilling = [live for live in self._live if live.prefilling]
+        exact = [live for live in prefilling if live.request.exact]
+        if exact:
+            prefilling = [exact[self._steps % len(exact)]]
+        else:
+            for live in self._live:
+                for choice in live.choices:
+                    if choice.pending is not None:
+                        owners.append((live, choice))
+                        feeds.append(Feed(choice.slot, choice.pos, (choice.pending,)))
         turn = self._steps % len(prefilling) if prefilling else 0
         for live in prefilling[turn:] + prefilling[:turn]:
             owners.append((live, None))
@@ -398,7 +409,7 @@ class Engine:
                 r.choice.pos += 1
                 self._decoded += 1
                 continue
-            self.cache.appended(live.slot, live.prompt[r.p0:r.p1])
+            self.cache.appended(live.slot, live.prompt[r.p0:r.p1], alone=len(rows) == 1)
             live.prefilled = r.p1
             self._prefilled += r.p1 - r.p0
             for choice in live.choices[1:]:
@@ -513,9 +524,9 @@ class Engine:
             self.ctx = Context(self.model, self.config.context_params(shared))
         except KvrtError:
             self.ctx = Context(self.model, self.config.context_params(old.shared))
-            self.cache = PrefixCache(self.ctx, old.host)
+            self.cache = PrefixCache(self.ctx, old.host, unit=old.unit)
             raise
-        self.cache = PrefixCache(self.ctx, old.host)
+        self.cache = PrefixCache(self.ctx, old.host, unit=old.unit)
         self._relayouts += 1
         log.info("KV layout now %s: %d slots of %d cells", "unified" if shared else "split", self.cache.n_slots,
                  self.cache.slot_cells)

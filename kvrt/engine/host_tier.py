@@ -114,11 +114,13 @@ class ArenaPiece:
 
 @dataclass(frozen=True)
 class HostEntry:
-    """A host copy of one slot's sequence state, holding exactly ``tokens``: the first ``nbytes`` of ``piece``."""
+    """A host copy of one slot's sequence state, holding exactly ``tokens``: the first ``nbytes`` of ``piece``;
+    its first ``cold`` positions were computed as a cold prefill computes them (:mod:`kvrt.engine.prefix_cache`)."""
 
     tokens: tuple[int, ...]
     piece: ArenaPiece
     nbytes: int
+    cold: int = 0
 
     @property
     def state(self) -> np.ndarray:
@@ -159,10 +161,11 @@ class HostTier:
     def worth_keeping(self, n_tokens: int) -> bool:
         return n_tokens >= self.min_tokens and self.capacity_bytes > 0
 
-    def keep(self, tokens: Sequence[int], nbytes: int, write: Callable[[np.ndarray], int]) -> bool:
-        """Keep the state of exactly ``tokens``: ``write(view)`` fills ``nbytes`` of host memory and returns the
-        bytes it wrote. Least recently used entries leave until the copy finds room; False when it never can
-        (larger than the tier). ``write``'s exception propagates, leaving the tier without the copy."""
+    def keep(self, tokens: Sequence[int], nbytes: int, write: Callable[[np.ndarray], int], *, cold: int = 0) -> bool:
+        """Keep the state of exactly ``tokens`` (the first ``cold`` computed cold): ``write(view)`` fills ``nbytes``
+        of host memory and returns the bytes it wrote. Least recently used entries leave until the copy finds
+        room; False when it never can (larger than the tier). ``write``'s exception propagates, leaving the tier
+        without the copy."""
         if piece_size(nbytes) > self.capacity_bytes:
             return False
         t0 = time.perf_counter()
@@ -181,7 +184,7 @@ class HostTier:
         except BaseException:
             piece.release()
             raise
-        self._entries[key] = HostEntry(key, piece, written)
+        self._entries[key] = HostEntry(key, piece, written, cold)
         self._keys[key] = np.asarray(key, dtype=np.int64)
         self.nbytes += written
         self._kept += 1
@@ -189,11 +192,14 @@ class HostTier:
         self._keep_s += time.perf_counter() - t0
         return True
 
-    def longest(self, tokens: TokenIds) -> tuple[HostEntry | None, int]:
-        """The entry sharing the longest prefix with ``tokens``, and the length shared (marked recently used)."""
+    def longest(self, tokens: TokenIds, *, cold_unit: int = 0) -> tuple[HostEntry | None, int]:
+        """The entry sharing the longest prefix with ``tokens``, and the length shared (marked recently used).
+        With ``cold_unit``, only the part an entry holds computed cold counts, in whole units of that many."""
         best, best_len = None, 0
         for key, entry in self._entries.items():
             length = common_prefix(self._keys[key], tokens)
+            if cold_unit:
+                length = min(length, entry.cold) // cold_unit * cold_unit
             if length > best_len:
                 best, best_len = entry, length
         if best is not None:

@@ -27,6 +27,14 @@ restored from or copied to the host (their device data is not what the mirror sa
 
 With a :class:`kvrt.engine.host_tier.HostTier` an evicted slot's state is first copied
 to host memory; :meth:`PrefixCache.restore` brings such a copy back into a slot.
+
+Each slot also records how many of its first positions were computed *cold*: in the
+micro-batches a prefill of its tokens alone, from position 0, puts them in (whole
+``unit`` s, :attr:`kvrt.engine.admission.EngineConfig.prefill_unit`, of prompt chunks that
+each had a step to themselves, from an aligned start). llama.cpp's CPU kernels round
+differently by micro-batch shape, so only those positions hold the KV a cold prefill
+would compute; an ``exact`` request reuses no more than that (:meth:`cold_prefix`).
+Copies, restores and host copies carry the count; a truncation cuts it.
 """
 
 from __future__ import annotations
@@ -96,9 +104,12 @@ class TokenRow:
 class PrefixCache:
     """Slot states, the tokens each slot's cells hold, and the cells they share."""
 
-    def __init__(self, ctx: Context, host: HostTier | None = None) -> None:
+    def __init__(self, ctx: Context, host: HostTier | None = None, *, unit: int = 1) -> None:
+        if isinstance(unit, bool) or not isinstance(unit, int) or unit < 1:
+            raise KvrtError(f"PrefixCache unit must be a positive integer, got {unit!r}")
         self.ctx = ctx
         self.host = host
+        self.unit = unit  # positions count as computed cold in whole units from 0 (EngineConfig.prefill_unit)
         self.shared = ctx.params.kv_unified or ctx.n_seq_max == 1  # one pool of cells (else a stream per slot)
         self.n_cells = ctx.n_ctx
         self.slot_cells = ctx.n_ctx_seq  # the most one slot can hold: the pool, or its own stream
@@ -108,6 +119,7 @@ class PrefixCache:
         self.pinned: set[int] = set()
         self._tokens = [TokenRow() for _ in range(self.n_slots)]
         self._cells: list[list[int]] = [[] for _ in range(self.n_slots)]
+        self._cold = [0] * self.n_slots  # each slot's first positions computed as a cold prefill computes them
         self._refs: Counter[int] = Counter()
         self._next_cell = 0
         self._lru: OrderedDict[int, None] = OrderedDict()  # unpinned cached slots, least recently used first
@@ -122,8 +134,9 @@ class PrefixCache:
         tokens: list[int] = self._tokens[slot].view().tolist()
         return tokens
 
-    def longest_prefix(self, tokens: TokenIds) -> tuple[int | None, int]:
-        """The active, cached or pinned slot sharing the longest prefix with ``tokens``, and its length.
+    def longest_prefix(self, tokens: TokenIds, *, cold: bool = False) -> tuple[int | None, int]:
+        """The active, cached or pinned slot sharing the longest prefix with ``tokens``, and its length
+        (``cold``: only the part it computed cold counts, see :meth:`cold_prefix`).
 
         An active slot only grows, so its first cells are as good a source as a cached one.
         """
@@ -132,9 +145,16 @@ class PrefixCache:
         for slot in range(self.n_slots):
             if self.state[slot] != "free":
                 length = common_prefix(self._tokens[slot].view(), probe)
+                if cold:
+                    length = self.cold_prefix(slot, length)
                 if length > best_len:
                     best, best_len = slot, length
         return best, best_len
+
+    def cold_prefix(self, slot: int, length: int) -> int:
+        """How much of the slot's first ``length`` positions a request may reuse and still get a cold prefill's
+        logits: the positions computed cold, in whole units."""
+        return min(length, self._cold[slot]) // self.unit * self.unit
 
     def held(self, slot: int) -> int:
         """How many positions the slot holds."""
@@ -206,12 +226,14 @@ class PrefixCache:
             self._cells[dst].extend(cells)
             self._tokens[dst].extend(self._tokens[src].view(p1)[p0:])
             self._refs.update(cells)
-            return
-        self.ctx.seq_cp(src, dst)  # the whole stream, copied on the device at the next decode
-        if p1 < len(self._tokens[src]):
-            self.ctx.seq_rm(dst, p1, -1)
-        self._unsettled.update((src, dst))
-        self.appended(dst, self._tokens[src].view(p1))
+        else:
+            self.ctx.seq_cp(src, dst)  # the whole stream, copied on the device at the next decode
+            if p1 < len(self._tokens[src]):
+                self.ctx.seq_rm(dst, p1, -1)
+            self._unsettled.update((src, dst))
+            self.appended(dst, self._tokens[src].view(p1))
+        if self._cold[dst] == p0:  # the copied positions are as cold as they were in the source
+            self._cold[dst] = max(p0, min(self._cold[src], p1))
 
     def follow(self, src: int, dst: int, p0: int, p1: int, *, complete: bool) -> None:
         """A fork ``dst`` keeps up with the prompt ``src`` is prefilling, whose positions [p0, p1) just landed
@@ -225,8 +247,15 @@ class PrefixCache:
         """A decode succeeded: llama.cpp has done every pending stream copy."""
         self._unsettled.clear()
 
-    def appended(self, slot: int, tokens: Sequence[int] | np.ndarray) -> None:
-        """Record that a decode wrote ``tokens`` at the slot's next positions (one new cell each)."""
+    def appended(self, slot: int, tokens: Sequence[int] | np.ndarray, *, alone: bool = False) -> None:
+        """Record that a decode wrote ``tokens`` at the slot's next positions (one new cell each).
+
+        ``alone``: they were a prompt chunk with the step to itself; from a start that is cold and whole units
+        from 0, its whole units count as computed cold (a cold prefill cuts the same micro-batches there).
+        """
+        start = len(self._tokens[slot])
+        if alone and self._cold[slot] == start and start % self.unit == 0:
+            self._cold[slot] = start + len(tokens) // self.unit * self.unit
         cells = list(range(self._next_cell, self._next_cell + len(tokens)))
         self._next_cell += len(tokens)
         self._tokens[slot].extend(tokens)
@@ -241,6 +270,7 @@ class PrefixCache:
         self._forget(self._cells[slot][keep:])
         del self._cells[slot][keep:]
         self._tokens[slot].truncate(keep)
+        self._cold[slot] = min(self._cold[slot], keep)
 
     def release(self, slot: int) -> None:
         """An active slot's sequence is done: its cells stay cached for later prefixes (most recently used)."""
@@ -253,9 +283,12 @@ class PrefixCache:
         if slot not in self.pinned:
             self._lru[slot] = None
 
-    def host_prefix(self, tokens: TokenIds) -> tuple[HostEntry | None, int]:
-        """The host copy sharing the longest prefix with ``tokens`` and its length (``(None, 0)`` without a tier)."""
-        return self.host.longest(tokens) if self.host is not None else (None, 0)
+    def host_prefix(self, tokens: TokenIds, *, cold: bool = False) -> tuple[HostEntry | None, int]:
+        """The host copy sharing the longest prefix with ``tokens`` and its length (``(None, 0)`` without a tier;
+        ``cold``: only what the copy holds computed cold counts, in whole units)."""
+        if self.host is None:
+            return None, 0
+        return self.host.longest(tokens, cold_unit=self.unit if cold else 0)
 
     def restore(self, slot: int, entry: HostEntry, keep: int) -> bool:
         """Load a host copy into an empty active slot and keep its first ``keep`` positions; False (the slot
@@ -271,6 +304,7 @@ class PrefixCache:
             log.debug("host copy of %d tokens not restored into slot %d: %s", len(entry.tokens), slot, exc)
             return False
         self.appended(slot, entry.tokens)
+        self._cold[slot] = entry.cold
         self.truncate(slot, keep)
         return True
 
@@ -286,6 +320,7 @@ class PrefixCache:
         self._forget(self._cells[slot])
         self._cells[slot].clear()
         self._tokens[slot].truncate(0)
+        self._cold[slot] = 0
         self.state[slot] = "free"
 
     def evict_until(self, free_cells: int) -> bool:
@@ -323,7 +358,7 @@ class PrefixCache:
             return
         try:
             self.host.keep(self.tokens(slot), self.ctx.seq_state_size(slot),
-                           lambda view: self.ctx.seq_state_get(slot, view))
+                           lambda view: self.ctx.seq_state_get(slot, view), cold=self._cold[slot])
         except KvrtError as exc:  # e.g. a sliding-window cache that no longer holds the whole prefix
             log.debug("slot %d not copied to the host tier: %s", slot, exc)
 

@@ -54,7 +54,11 @@ class Request:
     token's log-probability and its ``k`` most likely alternatives. ``deadline`` is a
     :func:`time.monotonic` instant after which the request ends with ``deadline``.
     ``after_chunk(p0, p1)`` runs on the engine's thread after each decode that put
-    prompt positions ``[p0, p1)`` into the request's first sequence.
+    prompt positions ``[p0, p1)`` into the request's first sequence. ``exact``: the prompt's
+    logits are the ones a cold prefill of the same prompt by the same engine gives, bit for bit
+    (in the split KV layout): a cached prefix is reused only as far as a cold prefill would have
+    computed it the same way, and the rest is prefilled in steps of its own (see
+    :func:`kvrt.engine.admission.place`).
     """
 
     prompt: Sequence[int]
@@ -64,6 +68,7 @@ class Request:
     logprobs: int | None = None
     deadline: float | None = None
     after_chunk: Callable[[int, int], None] | None = None
+    exact: bool = False
     prompt_array: np.ndarray = field(init=False, repr=False, compare=False)  # the prompt as int64, for prefix lookups
 
     def __post_init__(self) -> None:
@@ -75,6 +80,8 @@ class Request:
         object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise EngineError(f"n must be an integer >= 1, got {self.n!r}")
+        if not isinstance(self.exact, bool):
+            raise EngineError(f"exact must be True or False, got {self.exact!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise EngineError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
 

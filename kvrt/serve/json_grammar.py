@@ -70,7 +70,7 @@ def _converter_class() -> Any:
     llama_cpp is imported on first use, as it was before this subclass."""
     from llama_cpp.llama_grammar import RESERVED_NAMES, SchemaConverter
 
-    class Converter(SchemaConverter):
+    class Converter(SchemaConverter):  # type: ignore[misc]  # llama-cpp-python is Any to the type check
         def visit(self, schema: dict[str, Any], name: str) -> str:
             kind = schema.get("type")
             bounded = any(k in schema for k in _BOUNDS) and not any(k in schema for k in _BEFORE_TYPE)

@@ -13,7 +13,10 @@ OpenAI's meaning: ``temperature`` 0 is greedy, ``top_p`` 1 and no top-k / min-p 
 ``ignore_eos`` (llama.cpp's and vLLM's extension) keeps generating past an
 end-of-generation token, and ``return_tokens`` (llama.cpp's, text completions) puts each
 choice's token ids beside its text, so a client can continue a completion
-token-exactly. ``logit_bias`` (token id -> [-100, 100]) is added to those tokens' logits by
+token-exactly; kvrt's ``exact_prefix`` (true / false; absent or null: the server's
+``--exact-prefix``) makes the prompt's logits those of a cold evaluation of the same prompt,
+bit for bit, however much of it is cached (:attr:`kvrt.engine.requests.Request.exact`).
+``logit_bias`` (token id -> [-100, 100]) is added to those tokens' logits by
 llama.cpp's logit-bias sampler before any other stage. ``response_format`` ``json_object`` / ``json_schema``
 constrain the output through llama.cpp's grammar sampler, the schema converted to
 GBNF by llama-cpp-python's converter with integer bounds added (:mod:`kvrt.serve.json_grammar`;
@@ -101,6 +104,7 @@ class _Body(_Strict):
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False  # llama.cpp / vLLM: an end-of-generation token does not end the output
     logit_bias: dict[str, LogitBias] | None = None  # token id (as a string, OpenAI's JSON) -> added to its logit
+    exact_prefix: bool | None = None  # kvrt: reuse cached prefixes only as a cold prefill computes them (None: server)
 
     @field_validator("seed")
     @classmethod
@@ -202,6 +206,7 @@ class PinBody(_Strict):
     model: str
     prompt: str | list[int] | None = None
     messages: list[ChatMessageBody] | None = None
+    exact_prefix: bool | None = None  # prefilled as exact requests are, so they can reuse it (None: the server's)
 
 
 class TokenizeBody(_Strict):
@@ -404,12 +409,14 @@ def logit_bias_pairs(bias: Mapping[str, float] | None, n_vocab: int) -> tuple[tu
 
 
 def engine_request(body: _Body, prompt: list[int], *, n_cells: int, n_vocab: int, max_tokens: int | None,
-                   default_max_tokens: int, logprobs: int | None, grammar: str | None = None) -> Request:
+                   default_max_tokens: int, logprobs: int | None, grammar: str | None = None,
+                   exact_prefix: bool = False) -> Request:
     """The engine's :class:`Request` for a validated body.
 
     ``max_tokens`` None: ``default_max_tokens`` or whatever still fits the context beside
     the prompt and the other choices, whichever is smaller. ``grammar`` (forced tool calls)
-    replaces ``response_format``'s.
+    replaces ``response_format``'s. ``exact_prefix`` is the server's default for a body that
+    does not set its own.
     """
     if max_tokens is None:
         max_tokens = max(1, min(default_max_tokens, (n_cells - len(prompt)) // body.n))
@@ -424,4 +431,6 @@ def engine_request(body: _Body, prompt: list[int], *, n_cells: int, n_vocab: int
         grammar=grammar if grammar is not None else grammar_of(body.response_format),
         logit_bias=logit_bias_pairs(body.logit_bias, n_vocab))
     params = GenerationParams(max_tokens=max_tokens, stop=tuple(stops), sampling=sampling, ignore_eos=body.ignore_eos)
-    return Request(prompt, params, n=body.n, stop_token_ids=frozenset(body.stop_token_ids), logprobs=logprobs)
+    exact = exact_prefix if body.exact_prefix is None else body.exact_prefix
+    return Request(prompt, params, n=body.n, stop_token_ids=frozenset(body.stop_token_ids), logprobs=logprobs,
+                   exact=exact)

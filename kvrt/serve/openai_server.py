@@ -145,13 +145,14 @@ class OpenAIServer:
     ``remember`` completions are kept for ``/v1/kvrt/fork``; a request body over
     ``max_input_bytes`` is answered 413; with ``api_key`` every route but ``/health`` needs it as a
     bearer token; a stream whose request has produced nothing for ``sse_keepalive_s`` (waiting in the
-    queue, or for its first token) gets an SSE comment, ``: keep-alive``.
+    queue, or for its first token) gets an SSE comment, ``: keep-alive``. ``exact_prefix`` is what a request
+    (or pin) that sets no ``exact_prefix`` of its own gets (:attr:`kvrt.engine.requests.Request.exact`).
     """
 
     def __init__(self, engines: Mapping[str, Engine], *, default_max_tokens: int = 512,
                  request_timeout_s: float | None = None, remember: int = 1024,
                  max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES, api_key: str | None = None,
-                 sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S) -> None:
+                 sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S, exact_prefix: bool = False) -> None:
         if not engines:
             raise KvrtError("the OpenAI server needs at least one model")
         if isinstance(max_input_bytes, bool) or not isinstance(max_input_bytes, int) or max_input_bytes < 1:
@@ -169,6 +170,7 @@ class OpenAIServer:
         self._pieces = {name: self._tokenizer.submit(longest_piece, engine.model)  # model name -> its longest
                         for name, engine in self.engines.items()}                  # token's bytes (a vocab pass)
         self.default_max_tokens = default_max_tokens
+        self.exact_prefix = exact_prefix
         self.request_timeout_s = request_timeout_s
         self._remember_n = remember
         self._created = int(time.time())
@@ -376,7 +378,8 @@ class OpenAIServer:
                                       else chat_prompt(engine.model, body.messages or [], generation=False,
                                                        limit=limit))
         bridge = Bridge(self._waker())
-        stream = self._submit(engine, lambda: engine.pin(tokens, notify=bridge.notify), None)
+        exact = self.exact_prefix if body.exact_prefix is None else body.exact_prefix
+        stream = self._submit(engine, lambda: engine.pin(tokens, notify=bridge.notify, exact=exact), None)
         result = await self._collect(request, stream, bridge)
         pin_id = f"pin-{uuid.uuid4().hex}"
         self._pins[pin_id] = (body.model, stream.id)
@@ -486,7 +489,8 @@ class OpenAIServer:
         try:
             job = engine_request(body, prompt, n_cells=engine.n_cells, n_vocab=engine.model.n_vocab,
                                  max_tokens=max_tokens, default_max_tokens=self.default_max_tokens, logprobs=logprobs,
-                                 grammar=tools.grammar if tools is not None else None)
+                                 grammar=tools.grammar if tools is not None else None,
+                                 exact_prefix=self.exact_prefix)
             if self.request_timeout_s is not None:
                 job = replace(job, deadline=time.monotonic() + self.request_timeout_s)
         except KvrtError as exc:

@@ -28,7 +28,7 @@ from kvrt.serve.response_chain import ExactTurn
 
 # fields of a Responses body that are the chat body's under another name, or the same
 _RENAMED = {"max_output_tokens": "max_tokens"}
-_SHARED = ("model", "temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "min_p", "stop")
+_SHARED = ("model", "temperature", "top_p", "parallel_tool_calls", "seed", "top_k", "min_p", "stop", "exact_prefix")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 _ROLES = ("user", "assistant", "system", "developer")
 
