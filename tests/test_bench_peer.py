@@ -145,13 +145,22 @@ def test_the_kvrt_arm_alone_serves_every_turn_in_full(tiny_model_path, tmp_path)
     assert result["libraries"]["kvrt"] and (tmp_path / "peer" / "peer.csv").exists()
 
 
-def test_both_arms_on_the_tiny_model_when_llama_server_is_found(tiny_model_path, tmp_path):
+@pytest.fixture()
+def llama_server() -> Path:
+    """The llama-server binary ``kvrt bench peer`` would find, or the test is skipped."""
     try:
-        find_llama_server(None)
+        return find_llama_server(None)
     except PeerError as exc:
         pytest.skip(f"no llama-server binary ({exc})")
-    args = _args("--model", str(tiny_model_path), "--agents", "2", "--threads", "1", "--flash-attn", "off",
-                 *TINY_SIZES, out=tmp_path)
+
+
+def _tiny_peer(tiny_model_path: Path, out: Path, *options: str) -> argparse.Namespace:
+    return _args("--model", str(tiny_model_path), "--agents", "2", "--threads", "1", "--flash-attn", "off",
+                 *options, *TINY_SIZES, out=out)
+
+
+def test_both_arms_on_the_tiny_model_when_llama_server_is_found(tiny_model_path, tmp_path, llama_server):
+    args = _tiny_peer(tiny_model_path, tmp_path)
     assert peer.run(args) == 0
     result = json.loads((tmp_path / "peer" / "peer.json").read_text())
     assert {r["arm"] for r in result["rounds"]} == {"kvrt", "llama-server"}
@@ -163,13 +172,9 @@ def test_both_arms_on_the_tiny_model_when_llama_server_is_found(tiny_model_path,
     assert os.path.exists(tmp_path / "peer" / "peer.png")
 
 
-def test_llama_server_given_the_cells_it_needs_where_the_shared_count_is_short(tiny_model_path, tmp_path):
-    try:
-        find_llama_server(None)
-    except PeerError as exc:
-        pytest.skip(f"no llama-server binary ({exc})")
-    args = _args("--model", str(tiny_model_path), "--agents", "2", "--threads", "1", "--flash-attn", "off",
-                 "--cells", "100", "--roomy", *TINY_SIZES, out=tmp_path)  # 50 a slot: private (48) fits, others not
+def test_llama_server_given_the_cells_it_needs_where_the_shared_count_is_short(tiny_model_path, tmp_path,
+                                                                              llama_server):
+    args = _tiny_peer(tiny_model_path, tmp_path, "--cells", "100", "--roomy")  # 50 a slot: private (48) fits
     assert peer.run(args) == 0
     rows = json.loads((tmp_path / "peer" / "peer.json").read_text())["rounds"]
     ran = {(r["arm"], r["workload"]) for r in rows if "skipped" not in r}
