@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import prefill
-from kvrt.engine.host_tier import HostArena, HostEntry, HostTier, numpy_memory
+from kvrt.engine.host_tier import HostArena, HostEntry, HostTier, numpy_memory, piece_size
 from kvrt.engine.model import Model
 from kvrt.engine.prefix_cache import PrefixCache
 from kvrt.state.hostpool import host_memory
@@ -99,7 +99,7 @@ def test_returning_history_restored_from_the_host_tier(benchmark, cache):
 def test_returning_history_restored_from_a_numpy_copy(benchmark, cache):
     tier, doc, expected = cache
     entry, _ = tier.host_prefix(doc)
-    piece = HostArena(numpy_memory(entry.nbytes)).alloc(entry.nbytes)
+    piece = HostArena(numpy_memory(piece_size(entry.nbytes))).alloc(entry.nbytes)
     assert piece is not None
     pageable = HostEntry(entry.tokens, piece, entry.nbytes)
     np.copyto(pageable.state, entry.state)
