@@ -20,7 +20,7 @@ import pytest
 from kvrt import Context, GenerationParams, generate
 from kvrt.engine.admission import WAIT_FOR_SHARE
 from kvrt.engine.batching import Engine, EngineConfig
-from kvrt.engine.prefix_cache import common_prefix
+from kvrt.prefixes import common_prefix
 from kvrt.engine.requests import (
     ChoiceEnd,
     EngineError,

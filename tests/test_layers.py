@@ -16,7 +16,7 @@ SOURCES = {"kvrt": ROOT / "kvrt", "kvrt.bindings": ROOT / "bindings", "kvrt.kern
 LAYERS: list[set[str]] = [
     {"errors"},
     {"bindings", "kernels"},
-    {"_handle", "_files", "checks", "system"},
+    {"_handle", "_files", "checks", "prefixes", "system"},
     {"engine"},
     {"accounting", "modelfiles"},
     {"state"},

@@ -60,7 +60,7 @@ from kvrt.engine.generation import GenerationParams
 from kvrt.engine.host_tier import HostMemory, HostTier, numpy_memory
 from kvrt.engine.live import Choice, Live
 from kvrt.engine.model import Model
-from kvrt.engine.prefix_cache import PrefixCache, common_prefix
+from kvrt.engine.prefix_cache import PrefixCache
 from kvrt.engine.requests import (
     EngineClosed,
     EngineError,
@@ -72,6 +72,7 @@ from kvrt.engine.requests import (
 )
 from kvrt.engine.sampling import SEEDS, Sampler
 from kvrt.errors import DecodeError, KvrtError
+from kvrt.prefixes import common_prefix
 
 log = logging.getLogger(__name__)
 

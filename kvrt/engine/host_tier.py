@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvrt.checks import check_int
-from kvrt.engine.prefix_cache import TokenIds, common_prefix
 from kvrt.errors import KvrtError
+from kvrt.prefixes import Eviction, PrefixTree, TokenIds
 
 HostMemory = Callable[[int], np.ndarray]  # nbytes -> that many writable uint8 bytes, kept alive by the array
 
@@ -139,14 +138,15 @@ class HostTierStats:
 
 
 class HostTier:
-    """Host copies of evicted slots, keyed by their tokens (a copy that is a prefix of a newer one is dropped)."""
+    """Host copies of evicted slots, keyed by their tokens in a :class:`PrefixTree` (a copy that is a prefix of a
+    newer one is dropped), least recently used out first (:class:`Eviction`)."""
 
     def __init__(self, capacity_bytes: int, *, min_tokens: int = 32, memory: HostMemory = numpy_memory) -> None:
         self.capacity_bytes = check_int(capacity_bytes, "host tier capacity_bytes", low=0)
         self.min_tokens = check_int(min_tokens, "host tier min_tokens", low=1)
         self._arena = HostArena(memory(self.capacity_bytes) if self.capacity_bytes else numpy_memory(0))
-        self._entries: OrderedDict[tuple[int, ...], HostEntry] = OrderedDict()  # least recently used first
-        self._keys: dict[tuple[int, ...], np.ndarray] = {}  # each entry's tokens as int64, for lookups
+        self._entries: PrefixTree[HostEntry] = PrefixTree()
+        self._eviction: Eviction[tuple[int, ...]] = Eviction()
         self.nbytes = 0
         self._kept = self._kept_bytes = self._dropped = 0
         self._keep_s = 0.0
@@ -169,12 +169,12 @@ class HostTier:
         if piece_size(nbytes) > self.capacity_bytes:
             return False
         t0 = time.perf_counter()
-        key = tuple(tokens)
-        for old in [k for k in self._entries if len(k) <= len(key) and key[:len(k)] == k]:
-            self._drop(old)  # the new copy holds all of it
+        key = tuple(int(t) for t in tokens)
+        for _, old in self._entries.prefixes(key):
+            self._drop(old.tokens)  # the new copy holds all of it
         piece = self._arena.alloc(nbytes)
-        while piece is None and self._entries:
-            self._drop(next(iter(self._entries)))
+        while piece is None and (victim := self._eviction.victim()) is not None:
+            self._drop(victim)
             piece = self._arena.alloc(nbytes)
         if piece is None:  # only entries hold pieces, so an empty tier's arena is one free run: a bug if reached
             raise KvrtError(f"host tier: no room for {nbytes} bytes with every entry dropped "
@@ -184,8 +184,8 @@ class HostTier:
         except BaseException:
             piece.release()
             raise
-        self._entries[key] = HostEntry(key, piece, written, cold)
-        self._keys[key] = np.asarray(key, dtype=np.int64)
+        self._entries.insert(key, HostEntry(key, piece, written, cold))
+        self._eviction.add(key)
         self.nbytes += written
         self._kept += 1
         self._kept_bytes += written
@@ -195,27 +195,30 @@ class HostTier:
     def longest(self, tokens: TokenIds, *, cold_unit: int = 0) -> tuple[HostEntry | None, int]:
         """The entry sharing the longest prefix with ``tokens``, and the length shared (marked recently used).
         With ``cold_unit``, only the part an entry holds computed cold counts, in whole units of that many."""
-        best, best_len = None, 0
-        for key, entry in self._entries.items():
-            length = common_prefix(self._keys[key], tokens)
-            if cold_unit:
-                length = min(length, entry.cold) // cold_unit * cold_unit
-            if length > best_len:
-                best, best_len = entry, length
+        if not cold_unit:
+            best, best_len = self._entries.longest(tokens)
+        else:
+            best, best_len = None, 0
+            for entry, shared in self._entries.sharing(tokens):  # most shared first: none later beats best_len
+                if shared <= best_len:
+                    break
+                length = min(shared, entry.cold) // cold_unit * cold_unit
+                if length > best_len:
+                    best, best_len = entry, length
         if best is not None:
-            self._entries.move_to_end(best.tokens)
+            self._eviction.touch(best.tokens)
         return best, best_len
 
     def _drop(self, key: tuple[int, ...]) -> None:
-        entry = self._entries.pop(key)
-        del self._keys[key]
+        entry = self._entries.remove(key)
+        self._eviction.discard(key)
         self.nbytes -= entry.nbytes
         self._dropped += 1
         entry.piece.release()
 
     def clear(self) -> None:
         """Drop every entry, giving its memory back to the arena."""
-        for key in list(self._entries):
+        for key, _ in list(self._entries.items()):
             self._drop(key)
 
     def close(self) -> None:

@@ -48,6 +48,7 @@ import numpy as np
 
 from kvrt.engine.context import Context
 from kvrt.errors import KvrtError
+from kvrt.prefixes import TokenIds, common_prefix
 
 if TYPE_CHECKING:  # the tier calls common_prefix of this module
     from kvrt.engine.host_tier import HostEntry, HostTier
@@ -55,18 +56,6 @@ if TYPE_CHECKING:  # the tier calls common_prefix of this module
 log = logging.getLogger(__name__)
 
 SlotState = Literal["free", "active", "cached"]
-
-
-TokenIds = Sequence[int] | np.ndarray  # token ids as a list or tuple, or an int64 array (a request's prompt_array)
-
-
-def common_prefix(a: TokenIds, b: TokenIds) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = min(len(a), len(b))
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
-    return int(diff[0]) if diff.size else n
 
 
 class TokenRow:
