@@ -5,7 +5,7 @@ as a test). The model is a generated tiny F32 llama unless ``KVRT_BENCH_MODEL`` 
 GGUF (e.g. the demo model); ``KVRT_BENCH_DOC_TOKENS`` sets the history's length (default
 512), ``KVRT_BENCH_FLASH_ATTN`` the context's flash attention (default ``off``). Every
 benchmark puts the same history into an empty slot of one unified-KV context, through
-:meth:`kvrt.engine.prefix_cache.PrefixCache.restore` (what a returning agent costs with
+:meth:`kvrt.runtime.prefix_cache.PrefixCache.restore` (what a returning agent costs with
 the tier) from the tier's own copy (in its arena from :func:`kvrt.state.hostpool.host_memory`,
 as the servers make it: pinned on a GPU machine) and from a NumPy copy (pageable), or
 by a prefill (what it costs without); each checks the slot holds the history and continues
@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from kvrt.engine.context import Context, ContextParams
 from kvrt.engine.generation import prefill
-from kvrt.engine.host_tier import HostArena, HostEntry, HostTier, numpy_memory, piece_size
+from kvrt.runtime.host_tier import HostArena, HostEntry, HostTier, numpy_memory, piece_size
 from kvrt.engine.model import Model
-from kvrt.engine.prefix_cache import PrefixCache
+from kvrt.runtime.prefix_cache import PrefixCache
 from kvrt.state.hostpool import host_memory
 from kvrt.system.gpu import cupy_usable
 

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 from kvrt import Context, GenerationParams, generate
-from kvrt.engine.admission import WAIT_FOR_SHARE
-from kvrt.engine.batching import Engine, EngineConfig
+from kvrt.runtime.admission import WAIT_FOR_SHARE
+from kvrt.runtime.batching import Engine, EngineConfig
 from kvrt.prefixes import common_prefix
-from kvrt.engine.requests import (
+from kvrt.runtime.requests import (
     ChoiceEnd,
     EngineError,
     EngineOverloaded,

@@ -18,7 +18,7 @@ from test_scheduler import charge_estimates
 
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
-from kvrt.engine.requests import EngineClosed
+from kvrt.runtime.requests import EngineClosed
 from kvrt.errors import InvalidArgument
 from kvrt.serve.client import Client, ConnectionLost, DaemonReplyError
 from kvrt.serve.daemon import Daemon, DaemonError, check_socket_path

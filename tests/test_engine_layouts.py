@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from kvrt.engine.admission import EngineConfig
-from kvrt.engine.batching import Engine
-from kvrt.engine.requests import EngineError, Request, RequestTooLarge
+from kvrt.runtime.admission import EngineConfig
+from kvrt.runtime.batching import Engine
+from kvrt.runtime.requests import EngineError, Request, RequestTooLarge
 from kvrt.errors import KvrtError
 from test_batching import WAIT_S, alone, engine, greedy
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from kvrt.engine.admission import EngineConfig
-from kvrt.engine.batching import Engine
+from kvrt.runtime.admission import EngineConfig
+from kvrt.runtime.batching import Engine
 from kvrt.engine.generation import GenerationParams
-from kvrt.engine.requests import Request, RequestResult, TokenEvent, token_logprobs
+from kvrt.runtime.requests import Request, RequestResult, TokenEvent, token_logprobs
 
 PROMPT_TOKENS = 450  # within a default slot's 512 cells, past the demo model's 256-token prefill unit
 MAX_TOKENS = 8

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvrt.engine.host_tier import ALIGN, HostArena, HostTier, numpy_memory, piece_size
+from kvrt.runtime.host_tier import ALIGN, HostArena, HostTier, numpy_memory, piece_size
 from kvrt.errors import KvrtError
 
 

@@ -20,6 +20,7 @@ LAYERS: list[set[str]] = [
     {"engine"},
     {"accounting", "modelfiles"},
     {"state"},
+    {"runtime"},
     {"branching", "memory", "stream"},
     {"serve"},
     {"__init__"},  # the public facade: re-exports

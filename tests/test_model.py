@@ -143,9 +143,9 @@ def test_llama_cpp_llama_takes_the_machine_verdict(tiny_model_path: Path) -> Non
 CLOSE_UNDER_ENGINE = r"""
 import sys
 from kvrt import GenerationParams
-from kvrt.engine.batching import Engine, EngineConfig
+from kvrt.runtime.batching import Engine, EngineConfig
 from kvrt.engine.model import Model
-from kvrt.engine.requests import Request
+from kvrt.runtime.requests import Request
 from kvrt.errors import KvrtError
 
 model = Model(sys.argv[1])

@@ -19,11 +19,11 @@ import json
 
 import kvrt  # noqa: F401
 
-from kvrt.engine.admission import EngineConfig
-from kvrt.engine.batching import Engine
+from kvrt.runtime.admission import EngineConfig
+from kvrt.runtime.batching import Engine
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.model import Model
-from kvrt.engine.requests import Request, RequestResult
+from kvrt.runtime.requests import Request, RequestResult
 from kvrt.modelfiles.demo_model import demo_model_path, license_terms_text
 
 TOP = 20

@@ -13,7 +13,7 @@ from kvrt.errors import KvrtError
 
 if TYPE_CHECKING:  # the serve extra's imports wait until --http is used
     from kvrt.accounting.ledger import Reservation
-    from kvrt.engine.batching import Engine
+    from kvrt.runtime.batching import Engine
     from kvrt.serve.openai_server import OpenAIServer
     from kvrt.serve.registry import LoadedModel, ModelRegistry
 
@@ -111,11 +111,10 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
     before its weights are read), charge one engine's context each, and serve them on ``--http`` from a
     background thread."""
     from kvrt.accounting.estimate import context_estimate
-    from kvrt.engine.admission import EngineConfig
-    from kvrt.engine.batching import Engine
     from kvrt.modelfiles.demo_model import demo_model_path
+    from kvrt.runtime.admission import EngineConfig
+    from kvrt.runtime.batching import Engine
     from kvrt.serve.openai_server import OpenAIServer
-    from kvrt.state.hostpool import host_memory
 
     host_name, port = parse_address(args.http)
     paths = [Path(p) for p in getattr(args, "model", None) or [demo_model_path()]]
@@ -136,7 +135,7 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
             except BaseException:
                 registry.release(entry)
                 raise
-            engines[name] = Engine(entry.model, config, host_memory=host_memory)  # pinned on a GPU
+            engines[name] = Engine(entry.model, config)  # its host tier pinned on a GPU
         server = OpenAIServer(engines, default_max_tokens=args.max_tokens,
                               request_timeout_s=getattr(args, "request_timeout_s", None),
                               max_input_bytes=args.max_input_bytes, api_key=args.api_key,

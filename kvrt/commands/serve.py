@@ -52,7 +52,7 @@ log = logging.getLogger("kvrt.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvrt.engine.admission import KV_LAYOUTS
+    from kvrt.runtime.admission import KV_LAYOUTS
     from kvrt.serve.daemon import DEFAULT_IDLE_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS, DEFAULT_STOP_TIMEOUT_S
 
     where = parser.add_argument_group("where to listen (either or both: one process, one ledger)")

@@ -1,1 +1,2 @@
-"""The engine: llama.cpp models and contexts, batches, sampling, chat templates and the decode loops."""
+"""The engine: llama.cpp models and contexts, batches, sampling, chat templates, the one decode step and the
+loop that generates one sequence (continuous batching is :mod:`kvrt.runtime`, above it)."""

@@ -3,7 +3,7 @@
 Callers keep their own policy (which sequences, in which order, which sampler, what to
 do with a chunk that landed): :func:`kvrt.engine.generation.prefill` and ``generate``
 for one sequence, :mod:`kvrt.branching.runner` for branches, and
-:class:`kvrt.engine.batching.Engine` for many requests (it decodes the filled batch
+:class:`kvrt.runtime.batching.Engine` for many requests (it decodes the filled batch
 itself, to retry after evicting cached prefixes). This module is the mechanism they
 share: the batch layout, the decode, and the greedy picks of many rows in one pass.
 """

@@ -207,7 +207,7 @@ class Model(OwnsHandle):
         """Free the model, closing every context made from it first.
 
         Refused (:class:`KvrtError` naming them, nothing closed) while another thread is
-        inside a call on one of its contexts, e.g. an :class:`kvrt.engine.batching.Engine`
+        inside a call on one of its contexts, e.g. an :class:`kvrt.runtime.batching.Engine`
         still running on it: close that first. Otherwise the model is freed once no thread
         is inside one of its own calls (tokenizing, ...); closing never frees memory
         llama.cpp is using.

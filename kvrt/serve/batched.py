@@ -1,7 +1,7 @@
 """Agents decoded together: each model's agents are sequences of one shared context, one batch per step.
 
 :class:`BatchedScheduler` has the :class:`kvrt.serve.scheduler.Scheduler` interface the
-daemon uses, over one :class:`kvrt.engine.batching.Engine` per model (a unified-KV
+daemon uses, over one :class:`kvrt.runtime.batching.Engine` per model (a unified-KV
 context of ``BatchConfig.n_ctx`` cells and ``n_seq_max`` slots, charged to the ledger
 when the model's first agent registers). Every step of an engine puts the next token of
 every decoding agent and a prompt chunk of every prefilling one into one
@@ -41,12 +41,12 @@ from pathlib import Path
 from kvrt.accounting.estimate import context_estimate
 from kvrt.accounting.ledger import Reservation, VramLedger
 from kvrt.checks import prompt_tokens
-from kvrt.engine.admission import EngineConfig
-from kvrt.engine.batching import Engine
 from kvrt.engine.generation import GenerationParams
-from kvrt.engine.requests import ChoiceEnd, EngineStats, Request, RequestEnd, RequestStream, TokenEvent
 from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import InvalidArgument
+from kvrt.runtime.admission import EngineConfig
+from kvrt.runtime.batching import Engine
+from kvrt.runtime.requests import ChoiceEnd, EngineStats, Request, RequestEnd, RequestStream, TokenEvent
 from kvrt.serve.agent import ContextPolicy
 from kvrt.serve.batched_store import forget, restore_all, save
 from kvrt.serve.registry import LoadedModel, ModelRegistry
@@ -64,7 +64,6 @@ from kvrt.serve.results import (
 )
 from kvrt.serve.service import HISTORY, AgentService, TextFn
 from kvrt.state.agentstore import AgentStore, AgentStoreError, StateProblem
-from kvrt.state.hostpool import host_memory
 
 log = logging.getLogger("kvrt.serve.batched")
 
@@ -195,7 +194,7 @@ class BatchedScheduler(AgentService[BatchedAgent]):
             self.registry.release(entry)
             raise
         try:
-            engine = Engine(entry.model, self.config.engine(), host_memory=host_memory)  # pinned on a GPU
+            engine = Engine(entry.model, self.config.engine())  # its host tier pinned on a GPU
         except BaseException:
             self.ledger.release(reservation)
             self.registry.release(entry)

@@ -18,10 +18,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 from prometheus_client.registry import Collector
 
-from kvrt.engine.requests import RequestEnd
+from kvrt.runtime.requests import RequestEnd
 
 if TYPE_CHECKING:
-    from kvrt.engine.batching import Engine
+    from kvrt.runtime.batching import Engine
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

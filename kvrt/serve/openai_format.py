@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from kvrt.engine.model import Model
-from kvrt.engine.requests import ChoiceEnd, ChoiceResult, RequestEnd, RequestResult, TokenEvent, TokenLogprob
+from kvrt.runtime.requests import ChoiceEnd, ChoiceResult, RequestEnd, RequestResult, TokenEvent, TokenLogprob
 from kvrt.serve.tool_calls import CallSplitter, ToolCall, parse_calls
 
 FINISH = {"tool_calls": "tool_calls", "eog": "stop", "stop": "stop", "length": "length", "cancelled": "stop",

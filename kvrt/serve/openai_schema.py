@@ -15,7 +15,7 @@ end-of-generation token, and ``return_tokens`` (llama.cpp's, text completions) p
 choice's token ids beside its text, so a client can continue a completion
 token-exactly; kvrt's ``exact_prefix`` (true / false; absent or null: the server's
 ``--exact-prefix``) makes the prompt's logits those of a cold evaluation of the same prompt,
-bit for bit, however much of it is cached (:attr:`kvrt.engine.requests.Request.exact`).
+bit for bit, however much of it is cached (:attr:`kvrt.runtime.requests.Request.exact`).
 ``logit_bias`` (token id -> [-100, 100]) is added to those tokens' logits by
 llama.cpp's logit-bias sampler before any other stage. ``response_format`` ``json_object`` / ``json_schema``
 constrain the output through llama.cpp's grammar sampler, the schema converted to
@@ -38,8 +38,8 @@ from pydantic_core import PydanticCustomError
 
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.model import Model
-from kvrt.engine.requests import MAX_LOGPROBS, Request
 from kvrt.engine.sampling import MAX_SEED, SamplingParams
+from kvrt.runtime.requests import MAX_LOGPROBS, Request
 from kvrt.serve.api_error import ApiError
 
 UNSUPPORTED = ("functions", "function_call", "suffix", "audio", "modalities", "prediction")

@@ -65,8 +65,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.routing import Route
 
-from kvrt.engine.batching import Engine
-from kvrt.engine.requests import (
+from kvrt.errors import KvrtError
+from kvrt.runtime.batching import Engine
+from kvrt.runtime.requests import (
     ChoiceEnd,
     ChoiceResult,
     EngineClosed,
@@ -80,7 +81,6 @@ from kvrt.engine.requests import (
     ResultCollector,
     TokenEvent,
 )
-from kvrt.errors import KvrtError
 from kvrt.serve.api_error import ApiError
 from kvrt.serve.chat_prompt import ToolPlan, chat_prompt, tool_plan, tools_of
 from kvrt.serve.http_middleware import Observe, RequireKey
@@ -146,7 +146,7 @@ class OpenAIServer:
     ``max_input_bytes`` is answered 413; with ``api_key`` every route but ``/health`` needs it as a
     bearer token; a stream whose request has produced nothing for ``sse_keepalive_s`` (waiting in the
     queue, or for its first token) gets an SSE comment, ``: keep-alive``. ``exact_prefix`` is what a request
-    (or pin) that sets no ``exact_prefix`` of its own gets (:attr:`kvrt.engine.requests.Request.exact`).
+    (or pin) that sets no ``exact_prefix`` of its own gets (:attr:`kvrt.runtime.requests.Request.exact`).
     """
 
     def __init__(self, engines: Mapping[str, Engine], *, default_max_tokens: int = 512,

@@ -26,8 +26,8 @@ from typing import Any
 
 from kvrt.accounting.estimate import EstimateError
 from kvrt.accounting.ledger import LedgerDenied
-from kvrt.engine.requests import EngineClosed
 from kvrt.errors import ContextError, InvalidArgument, KvrtError, ModelLoadError
+from kvrt.runtime.requests import EngineClosed
 from kvrt.serve.results import SchedulerError
 from kvrt.state.agentstore import AgentStoreError
 

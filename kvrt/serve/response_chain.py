@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrt.engine.model import Model
-from kvrt.engine.requests import ChoiceResult
+from kvrt.runtime.requests import ChoiceResult
 from kvrt.serve.api_error import ApiError
 from kvrt.serve.chat_prompt import chat_text, tools_of
 from kvrt.serve.openai_schema import ChatBody, parse, text_tokens

@@ -9,7 +9,7 @@ import threading
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from kvrt.engine.requests import Event, RequestEnd, RequestStream
+from kvrt.runtime.requests import Event, RequestEnd, RequestStream
 
 KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see the connection is alive
 

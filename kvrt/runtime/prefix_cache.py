@@ -25,12 +25,12 @@ free. Invariant of the split layout: a stream copy is pending from ``seq_cp`` un
 next successful decode (:meth:`settled`), so until then no slot it reads or writes is
 restored from or copied to the host (their device data is not what the mirror says yet).
 
-With a :class:`kvrt.engine.host_tier.HostTier` an evicted slot's state is first copied
+With a :class:`kvrt.runtime.host_tier.HostTier` an evicted slot's state is first copied
 to host memory; :meth:`PrefixCache.restore` brings such a copy back into a slot.
 
 Each slot also records how many of its first positions were computed *cold*: in the
 micro-batches a prefill of its tokens alone, from position 0, puts them in (whole
-``unit`` s, :attr:`kvrt.engine.admission.EngineConfig.prefill_unit`, of prompt chunks that
+``unit`` s, :attr:`kvrt.runtime.admission.EngineConfig.prefill_unit`, of prompt chunks that
 each had a step to themselves, from an aligned start). llama.cpp's CPU kernels round
 differently by micro-batch shape, so only those positions hold the KV a cold prefill
 would compute; an ``exact`` request reuses no more than that (:meth:`cold_prefix`).
@@ -51,7 +51,7 @@ from kvrt.errors import KvrtError
 from kvrt.prefixes import TokenIds, common_prefix
 
 if TYPE_CHECKING:  # the tier calls common_prefix of this module
-    from kvrt.engine.host_tier import HostEntry, HostTier
+    from kvrt.runtime.host_tier import HostEntry, HostTier
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ whether slots and cells are free now (``None``: wait), and if so claims the slot
 shares the prefix with ``seq_cp`` and, in the unified layout, evicts least recently
 used cached prefixes until the request's worst case fits beside what running requests
 may still write. An ``exact`` request reuses only the whole prefill units of a prefix
-that were computed cold (:meth:`kvrt.engine.prefix_cache.PrefixCache.cold_prefix`): the
+that were computed cold (:meth:`kvrt.runtime.prefix_cache.PrefixCache.cold_prefix`): the
 rest of its prompt, prefilled from there in steps of its own, then lands in the
 micro-batches a cold prefill of the same prompt would use.
 """
@@ -21,12 +21,12 @@ import numpy as np
 
 from kvrt.engine.context import ContextParams
 from kvrt.engine.generation import SequenceStream
-from kvrt.engine.live import Choice, Live
 from kvrt.engine.model import Model
-from kvrt.engine.prefix_cache import PrefixCache
-from kvrt.engine.requests import ChoiceEnd, EngineError, Request, RequestEnd, RequestStream, RequestTooLarge
 from kvrt.engine.sampling import Sampler
 from kvrt.errors import KvrtError
+from kvrt.runtime.live import Choice, Live
+from kvrt.runtime.prefix_cache import PrefixCache
+from kvrt.runtime.requests import ChoiceEnd, EngineError, Request, RequestEnd, RequestStream, RequestTooLarge
 
 LLAMA_MAX_SEQ = 256
 WAIT_FOR_SHARE = 32  # prompt tokens another request is prefilling that are worth waiting a step or two for
@@ -41,16 +41,16 @@ class EngineConfig:
     """The engine's context and scheduling limits.
 
     ``n_ctx`` cells hold all ``n_seq_max`` slots. ``kv_layout`` says how
-    (:mod:`kvrt.engine.prefix_cache`): ``split`` gives each slot a stream of
+    (:mod:`kvrt.runtime.prefix_cache`): ``split`` gives each slot a stream of
     :attr:`split_cells` cells of its own, so a sequence attends over its own history only;
     ``unified`` makes them one pool, so one slot may hold up to ``n_ctx`` and a prefix is
     shared without a copy, but every sequence attends over every used cell; ``auto``
     (the default) runs split and turns unified while requests need more than a slot's share,
     and split again after ``split_after_idle_s`` without work (see
-    :class:`kvrt.engine.batching.Engine`). ``n_batch`` bounds the tokens of one step
+    :class:`kvrt.runtime.batching.Engine`). ``n_batch`` bounds the tokens of one step
     (every decoding choice takes one, so it must be >= ``n_seq_max``); ``prefill_chunk``
     bounds one request's prompt tokens per step; ``max_queue`` the requests waiting for
-    admission before :class:`kvrt.engine.requests.EngineOverloaded`.
+    admission before :class:`kvrt.runtime.requests.EngineOverloaded`.
     """
 
     n_ctx: int = 4096
@@ -60,7 +60,7 @@ class EngineConfig:
     max_queue: int = 64
     n_threads: int | None = None
     flash_attn: str = "auto"
-    host_bytes: int = 0  # host copies of evicted slots (kvrt.engine.host_tier); 0: evicted prefixes are recomputed
+    host_bytes: int = 0  # host copies of evicted slots (kvrt.runtime.host_tier); 0: evicted prefixes are recomputed
     kv_layout: str = "auto"
     split_after_idle_s: float = 2.0  # longer than an agent's pause between turns: a switch drops the cache
 

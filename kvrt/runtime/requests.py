@@ -2,7 +2,7 @@
 
 A :class:`Request` is prompt tokens plus :class:`kvrt.engine.generation.GenerationParams`
 (max_tokens, stop strings, sampling) and the engine's extras: ``n`` choices, stop token
-ids, log-probabilities, a deadline. :meth:`kvrt.engine.batching.Engine.submit` returns a
+ids, log-probabilities, a deadline. :meth:`kvrt.runtime.batching.Engine.submit` returns a
 :class:`RequestStream`: the engine's worker thread pushes :class:`TokenEvent` s as tokens
 are sampled, one :class:`ChoiceEnd` per choice and a final :class:`RequestEnd`; any
 thread reads them (blocking ``get``, iteration, or :meth:`RequestStream.result`), and an
@@ -58,7 +58,7 @@ class Request:
     logits are the ones a cold prefill of the same prompt by the same engine gives, bit for bit
     (in the split KV layout): a cached prefix is reused only as far as a cold prefill would have
     computed it the same way, and the rest is prefilled in steps of its own (see
-    :func:`kvrt.engine.admission.place`).
+    :func:`kvrt.runtime.admission.place`).
     """
 
     prompt: Sequence[int]

@@ -114,7 +114,7 @@ class ArenaPiece:
 @dataclass(frozen=True)
 class HostEntry:
     """A host copy of one slot's sequence state, holding exactly ``tokens``: the first ``nbytes`` of ``piece``;
-    its first ``cold`` positions were computed as a cold prefill computes them (:mod:`kvrt.engine.prefix_cache`)."""
+    its first ``cold`` positions were computed as a cold prefill computes them (:mod:`kvrt.runtime.prefix_cache`)."""
 
     tokens: tuple[int, ...]
     piece: ArenaPiece

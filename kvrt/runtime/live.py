@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvrt.engine.generation import SequenceStream
-from kvrt.engine.prefix_cache import PrefixCache
-from kvrt.engine.requests import ChoiceEnd, Request, RequestEnd, RequestStream, TokenEvent, token_logprobs
 from kvrt.engine.sampling import Sampler
 from kvrt.errors import KvrtError
+from kvrt.runtime.prefix_cache import PrefixCache
+from kvrt.runtime.requests import ChoiceEnd, Request, RequestEnd, RequestStream, TokenEvent, token_logprobs
 
 
 @dataclass

@@ -7,7 +7,7 @@ thread that repeats :meth:`Engine.step`:
    from other threads (unpin), cancelled and expired requests end;
 2. admission: waiting requests, first come first served, get slots; the longest
    token prefix any slot already holds is shared with ``seq_cp`` (the prefix cache of
-   :mod:`kvrt.engine.prefix_cache`), so only the rest of the prompt is prefilled;
+   :mod:`kvrt.runtime.prefix_cache`), so only the rest of the prompt is prefilled;
 3. one :class:`kvrt.engine.batch.Batch`: the last sampled token of every decoding choice,
    then prompt chunks of at most ``prefill_chunk`` tokens per request, round robin, up
    to ``n_batch`` tokens: a long prompt never stalls the others for more than a chunk
@@ -20,11 +20,11 @@ thread that repeats :meth:`Engine.step`:
    with logits is sampled by its choice's own sampler and streamed out.
 
 A request that can never fit (prompt + max_tokens beyond the cells, more choices than
-slots) is refused with :class:`kvrt.engine.requests.RequestTooLarge` before anything is
+slots) is refused with :class:`kvrt.runtime.requests.RequestTooLarge` before anything is
 allocated; one that fits later waits. Nothing a refusal does touches running requests.
 All llama.cpp calls happen on the worker thread.
 
-The KV layout (``EngineConfig.kv_layout``, :mod:`kvrt.engine.prefix_cache`): ``split``
+The KV layout (``EngineConfig.kv_layout``, :mod:`kvrt.runtime.prefix_cache`): ``split``
 gives every slot a stream of its own, so attention costs what a sequence's own history
 holds; ``unified`` pools the cells, so one request may hold more than a slot's share
 and prefixes are shared without copies. ``auto`` runs split and recreates the context
@@ -52,16 +52,19 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvrt.engine.admission import EngineConfig, Pending, check_fits, check_in_vocabulary, fits_a_slot, place
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.decode_step import Feed, fill, greedy_picks
 from kvrt.engine.generation import GenerationParams
-from kvrt.engine.host_tier import HostMemory, HostTier, numpy_memory
-from kvrt.engine.live import Choice, Live
 from kvrt.engine.model import Model
-from kvrt.engine.prefix_cache import PrefixCache
-from kvrt.engine.requests import (
+from kvrt.engine.sampling import SEEDS, Sampler
+from kvrt.errors import DecodeError, KvrtError
+from kvrt.prefixes import common_prefix
+from kvrt.runtime.admission import EngineConfig, Pending, check_fits, check_in_vocabulary, fits_a_slot, place
+from kvrt.runtime.host_tier import HostMemory, HostTier
+from kvrt.runtime.live import Choice, Live
+from kvrt.runtime.prefix_cache import PrefixCache
+from kvrt.runtime.requests import (
     EngineClosed,
     EngineError,
     EngineOverloaded,
@@ -70,9 +73,7 @@ from kvrt.engine.requests import (
     RequestStream,
     RequestTooLarge,
 )
-from kvrt.engine.sampling import SEEDS, Sampler
-from kvrt.errors import DecodeError, KvrtError
-from kvrt.prefixes import common_prefix
+from kvrt.state.hostpool import host_memory
 
 log = logging.getLogger(__name__)
 
@@ -120,11 +121,12 @@ class _Row:
 class Engine:
     """Continuous batching over one model (see the module docstring); use as a context manager.
 
-    ``host_memory`` provides the host tier's memory, ``config.host_bytes`` of it, once at the start.
+    ``host_memory`` provides the host tier's memory, ``config.host_bytes`` of it, once at the start: by default
+    :func:`kvrt.state.hostpool.host_memory` (pinned when CuPy sees a GPU, so restores copy at the PCIe limit).
     """
 
     def __init__(self, model: Model, config: EngineConfig | None = None, *,
-                 before_step: Callable[[], None] | None = None, host_memory: HostMemory = numpy_memory,
+                 before_step: Callable[[], None] | None = None, host_memory: HostMemory = host_memory,
                  **overrides: Any) -> None:
         self.config = replace(config or EngineConfig(), **overrides)
         self.model = model
