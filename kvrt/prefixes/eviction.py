@@ -11,7 +11,7 @@ discarded is in exactly one place, its priority's recency order or the pinned se
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Set
 from typing import Generic, TypeVar
 
 from kvrt.errors import KvrtError
@@ -82,6 +82,11 @@ class Eviction(Generic[K]):
 
     def pinned(self, key: K) -> bool:
         return key in self._pinned
+
+    @property
+    def pins(self) -> Set[K]:
+        """The pinned keys (a live view: read it, do not keep it)."""
+        return self._pinned
 
     def victim(self, *, avoid: K | None = None) -> K | None:
         """The next entry to drop (not ``avoid``), or ``None`` when every entry is pinned or there is none."""

@@ -13,7 +13,8 @@ A context has ``n_seq_max`` slots (llama.cpp sequences) laid out one of two ways
 Every slot is ``free`` (holds nothing), ``active`` (a running sequence writes into it)
 or ``cached`` (a finished sequence left its cells there, so a later request that starts
 with the same tokens needs to prefill only the rest). Cached slots are evicted least
-recently used first; a ``pinned`` slot is cached and never evicted.
+recently used first; a ``pinned`` slot is cached and never evicted (:class:`kvrt.prefixes.Eviction`, the
+policy every tier shares).
 
 :class:`PrefixCache` is the only code that changes the context's memory for the
 engine, and it mirrors each change exactly: a decoded row makes one new cell, a shared
@@ -40,15 +41,15 @@ Copies, restores and host copies carry the count; a truncation cuts it.
 from __future__ import annotations
 
 import logging
-from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence, Set
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from kvrt.engine.context import Context
 from kvrt.errors import KvrtError
-from kvrt.prefixes import TokenIds, common_prefix
+from kvrt.prefixes import Eviction, TokenIds, common_prefix
 
 if TYPE_CHECKING:  # the tier calls common_prefix of this module
     from kvrt.runtime.host_tier import HostEntry, HostTier
@@ -105,15 +106,19 @@ class PrefixCache:
         self.n_slots = ctx.n_seq_max
         self._unsettled: set[int] = set()  # split: slots a pending stream copy reads or writes
         self.state: list[SlotState] = ["free"] * self.n_slots
-        self.pinned: set[int] = set()
         self._tokens = [TokenRow() for _ in range(self.n_slots)]
         self._cells: list[list[int]] = [[] for _ in range(self.n_slots)]
         self._cold = [0] * self.n_slots  # each slot's first positions computed as a cold prefill computes them
         self._refs: Counter[int] = Counter()
         self._next_cell = 0
-        self._lru: OrderedDict[int, None] = OrderedDict()  # unpinned cached slots, least recently used first
+        self._eviction: Eviction[int] = Eviction()  # the cached slots (pinned ones never chosen), LRU first
 
     # -- queries ----------------------------------------------------------------------
+    @property
+    def pinned(self) -> Set[int]:
+        """The pinned slots (cached, never evicted)."""
+        return self._eviction.pins
+
     @property
     def used_cells(self) -> int:
         return len(self._refs)
@@ -151,18 +156,18 @@ class PrefixCache:
 
     def reusable(self, slot: int) -> bool:
         """Whether the slot is cached and unpinned: a request may take it over or evict it."""
-        return slot in self._lru
+        return slot in self._eviction and not self._eviction.pinned(slot)
 
     def has_free_slot(self) -> bool:
         return "free" in self.state
 
     def next_victim(self) -> int | None:
         """The cached slot :meth:`claim` would evict first (least recently used, unpinned), if any."""
-        return next(iter(self._lru), None)
+        return self._eviction.victim()
 
     def available_slots(self) -> int:
         """Slots a new request could claim: free, or cached and not pinned."""
-        return sum(1 for s in range(self.n_slots) if self.state[s] == "free" or s in self._lru)
+        return sum(1 for s in range(self.n_slots) if self.state[s] == "free" or self.reusable(s))
 
     def cells_if_evicted(self, keep: tuple[int, int] | None = None) -> int:
         """Free cells if every unpinned cached slot were emptied (``keep``: a slot's first cells that survive)."""
@@ -184,7 +189,7 @@ class PrefixCache:
         other than ``avoid`` emptied; ``None`` when there is none."""
         slot = next((s for s in range(self.n_slots) if self.state[s] == "free"), None)
         if slot is None:
-            slot = next((s for s in self._lru if s != avoid), None)
+            slot = self._eviction.victim(avoid=avoid)
             if slot is None:
                 return None
             self.evict(slot)
@@ -193,10 +198,10 @@ class PrefixCache:
 
     def take_over(self, slot: int, keep: int) -> None:
         """Make an unpinned cached slot active again, keeping only its first ``keep`` positions."""
-        if slot not in self._lru:
+        if not self.reusable(slot):
             raise KvrtError(f"slot {slot} is {self.state[slot]}{' and pinned' if slot in self.pinned else ''}; "
                             "only an unpinned cached slot can be taken over")
-        del self._lru[slot]
+        self._eviction.discard(slot)
         self.state[slot] = "active"
         self.truncate(slot, keep)
 
@@ -269,8 +274,7 @@ class PrefixCache:
             self.state[slot] = "free"
             return
         self.state[slot] = "cached"
-        if slot not in self.pinned:
-            self._lru[slot] = None
+        self._eviction.add(slot)
 
     def host_prefix(self, tokens: TokenIds, *, cold: bool = False) -> tuple[HostEntry | None, int]:
         """The host copy sharing the longest prefix with ``tokens`` and its length (``(None, 0)`` without a tier;
@@ -304,7 +308,7 @@ class PrefixCache:
             raise KvrtError(f"slot {slot} is pinned; unpin it before evicting it")
         if keep_copy and self.host is not None and self.host.worth_keeping(len(self._tokens[slot])):
             self._copy_to_host(slot)
-        self._lru.pop(slot, None)
+        self._eviction.discard(slot)
         self.ctx.seq_rm(slot)  # also when the mirror holds nothing: a failed decode may have left cells
         self._forget(self._cells[slot])
         self._cells[slot].clear()
@@ -316,14 +320,15 @@ class PrefixCache:
         """Evict least recently used unpinned cached slots until ``free_cells`` cells are free (split: every
         slot has its own cells, so there is nothing to free for another)."""
         while self.shared and self.n_cells - self.used_cells < free_cells:
-            if not self._lru:
+            victim = self._eviction.victim()
+            if victim is None:
                 return False
-            self.evict(next(iter(self._lru)))
+            self.evict(victim)
         return True
 
     def evict_all(self) -> int:
         """Evict every unpinned cached slot; returns how many there were."""
-        slots = list(self._lru)
+        slots = list(self._eviction)
         for slot in slots:
             self.evict(slot)
         return len(slots)
@@ -332,14 +337,12 @@ class PrefixCache:
         """Keep a cached slot's cells until :meth:`unpin` (it is never evicted meanwhile)."""
         if self.state[slot] != "cached":
             raise KvrtError(f"only a cached slot can be pinned; slot {slot} is {self.state[slot]}")
-        self.pinned.add(slot)
-        self._lru.pop(slot, None)
+        self._eviction.pin(slot)
 
     def unpin(self, slot: int) -> None:
         """The slot becomes an ordinary cached slot, evictable, most recently used."""
-        self.pinned.discard(slot)
-        if self.state[slot] == "cached":
-            self._lru[slot] = None
+        if slot in self._eviction:
+            self._eviction.unpin(slot)
 
     def _copy_to_host(self, slot: int) -> None:
         assert self.host is not None
