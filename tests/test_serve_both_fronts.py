@@ -97,5 +97,7 @@ def test_a_model_the_ledger_cannot_hold_is_refused_with_its_numbers(tmp_path: Pa
                            "--model", str(tiny_model_path), "--threads", "1", "--capacity-bytes", "4096",
                            "--charge", "estimated"], capture_output=True, text=True, timeout=WAIT_S, env=ENV)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr  # the CLI's status for a refusal
-    assert "VRAM ledger denied model:" in done.stderr and "of max 4096 B" in done.stderr, done.stderr
+    # the weights and the engine's context are admitted together, before either is allocated
+    assert f"VRAM ledger denied http:{tiny_model_path.stem} (weights " in done.stderr, done.stderr
+    assert "of max 4096 B" in done.stderr, done.stderr
     assert not (tmp_path / "kvrt.sock").exists()  # the socket front that had started is gone again
