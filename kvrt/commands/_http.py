@@ -68,6 +68,12 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                             "prompt's logits are those of a cold evaluation of the same prompt, bit for bit: a cached "
                             "prefix is reused only in whole prefill units computed alone, and the rest is prefilled "
                             "in steps of its own (the others wait those steps); exact in the split KV layout")
+    group.add_argument("--context-policy", choices=("refuse", "shift"), default="refuse",
+                       help="a prompt longer than a request's cells: refuse it (HTTP 400 naming the limit), or shift "
+                            "it: keep the first --keep-tokens tokens and the most recent ones, drop the middle (the "
+                            "answer says so: header X-Kvrt-Context-Shift, and a kvrt.context_shift field unstreamed)")
+    group.add_argument("--keep-tokens", type=non_negative_int, default=1,
+                       help="with --context-policy shift: the prompt's first tokens always kept (1: a BOS)")
     group.add_argument("--request-timeout-s", type=seconds(zero=False), default=argparse.SUPPRESS,
                        help="end any request after this many seconds, finish_reason 'deadline' (none: no limit)")
 
@@ -128,7 +134,8 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
         server = OpenAIServer(pool, default_max_tokens=args.max_tokens,
                               request_timeout_s=getattr(args, "request_timeout_s", None),
                               max_input_bytes=args.max_input_bytes, api_key=args.api_key,
-                              sse_keepalive_s=args.sse_keepalive_s, exact_prefix=args.exact_prefix)
+                              sse_keepalive_s=args.sse_keepalive_s, exact_prefix=args.exact_prefix,
+                              context_policy=args.context_policy, keep_tokens=args.keep_tokens)
         address = server.start(host_name, port)  # an address it cannot listen on: KvrtError, one line
     except BaseException:
         pool.close()

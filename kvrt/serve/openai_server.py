@@ -86,6 +86,7 @@ from kvrt.engine.requests import (
 from kvrt.errors import KvrtError
 from kvrt.serve.api_error import ApiError
 from kvrt.serve.chat_prompt import ToolPlan, chat_prompt, tool_plan, tools_of
+from kvrt.serve.context_policy import ContextShift, check_policy, shift_prompt
 from kvrt.serve.http_middleware import Observe, RequireKey
 from kvrt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvrt.serve.metrics import RequestRecord, ServerMetrics
@@ -153,12 +154,15 @@ class OpenAIServer:
     bearer token; a stream whose request has produced nothing for ``sse_keepalive_s`` (waiting in the
     queue, or for its first token) gets an SSE comment, ``: keep-alive``. ``exact_prefix`` is what a request
     (or pin) that sets no ``exact_prefix`` of its own gets (:attr:`kvrt.engine.requests.Request.exact`).
+    ``context_policy`` and ``keep_tokens``: what a prompt longer than a request's cells gets (a 400, or shifted:
+    :mod:`kvrt.serve.context_policy`).
     """
 
     def __init__(self, engines: Mapping[str, Engine] | ModelPool, *, default_max_tokens: int = 512,
                  request_timeout_s: float | None = None, remember: int = 1024,
                  max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES, api_key: str | None = None,
-                 sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S, exact_prefix: bool = False) -> None:
+                 sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S, exact_prefix: bool = False,
+                 context_policy: str = "refuse", keep_tokens: int = 1) -> None:
         self.pool = engines if isinstance(engines, ModelPool) else ModelPool.fixed(engines)
         if not self.pool.names():
             raise KvrtError("the OpenAI server needs at least one model")
@@ -166,6 +170,7 @@ class OpenAIServer:
             raise KvrtError(f"max_input_bytes must be a positive integer, got {max_input_bytes!r}")
         if api_key is not None and (not api_key or api_key != api_key.strip()):
             raise KvrtError("api_key must be non-empty, without leading or trailing spaces")
+        self.context_policy, self.keep_tokens = check_policy(context_policy, keep_tokens)
         if not sse_keepalive_s > 0:
             raise KvrtError(f"sse_keepalive_s must be a positive number of seconds, got {sse_keepalive_s!r}")
         self.max_input_bytes = max_input_bytes
@@ -290,14 +295,17 @@ class OpenAIServer:
         chat, conversation = chat_request(raw, earlier)
         body = parse(ChatBody, chat)
         engine, prompt, plan = await self._chat_prompt(request, body, earlier.turn if earlier is not None else None)
-        stream, bridge, shaper = self._start(request, "chat", body, engine, prompt, body.max_tokens, None, plan)
+        stream, bridge, shaper, shift = self._start(request, "chat", body, engine, prompt, body.max_tokens, None,
+                                                    plan)
+        headers = shift.headers() if shift is not None else None
         response_id, store = f"resp_{uuid.uuid4().hex}", raw.get("store", True)
         keep = functools.partial(self._store_response, chat, conversation, prompt) if store else None
         if raw.get("stream"):
             writer = ResponseEvents(raw, response_id, int(time.time()))
             choices: list[ChoiceResult] = []
             chunks = await self._chunks(request, stream, bridge, shaper, usage=True, choices=choices)
-            return StreamingResponse(self._response_sse(writer, chunks, keep, choices), media_type="text/event-stream")
+            return StreamingResponse(self._response_sse(writer, chunks, keep, choices), media_type="text/event-stream",
+                                     headers=headers)
         result = await self._collect(request, stream, bridge)
         answer = shaper.response(result)
         choice = answer["choices"][0]
@@ -305,7 +313,8 @@ class OpenAIServer:
                                    finish_reason=choice["finish_reason"], usage=answer["usage"])
         if keep is not None:
             keep(result.choices[0], response)
-        return JSONResponse(response)
+        return JSONResponse(response if shift is None else {**response, "kvrt": {"context_shift": shift.field()}},
+                            headers=headers)
 
     async def _response_sse(self, writer: ResponseEvents, chunks: Chunks,
                             keep: Callable[[ChoiceResult, dict[str, Any]], None] | None,
@@ -373,7 +382,7 @@ class OpenAIServer:
         engine = await self.models.engine(request, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
-        limit = await self._limit(body.model, engine)
+        limit = await self._limit(body.model, engine, shifts=False)  # a pin is never shifted
         tokens = await self._off_loop(lambda: completion_prompt(engine.model, body.prompt, limit=limit)
                                       if body.prompt is not None
                                       else chat_prompt(engine.model, body.messages or [], generation=False,
@@ -429,9 +438,12 @@ class OpenAIServer:
         """``fn()`` on the tokenizer threads (tokenizing and chat templates never run on the event loop)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer, fn)
 
-    async def _limit(self, model_name: str, engine: Engine) -> tuple[int, int]:
+    async def _limit(self, model_name: str, engine: Engine, *, shifts: bool = True) -> tuple[int, int] | None:
         """(cells, longest token's bytes) of a model (``engine``, held by the request): what a prompt's text is
-        checked against before tokenizing."""
+        checked against before tokenizing; ``None`` (no check: ``max_input_bytes`` bounds the text) where the
+        shift policy applies to the prompt (``shifts``)."""
+        if shifts and self.context_policy == "shift":
+            return None
         pieces = self._pieces.get(model_name)
         if pieces is None:
             pieces = self._pieces[model_name] = self._tokenizer.submit(longest_piece, engine.model)
@@ -468,20 +480,27 @@ class OpenAIServer:
 
     async def _run(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
                    max_tokens: int | None, logprobs: int | None, tools: ToolPlan | None = None) -> Response:
-        stream, bridge, shaper = self._start(request, kind, body, engine, prompt, max_tokens, logprobs, tools)
+        stream, bridge, shaper, shift = self._start(request, kind, body, engine, prompt, max_tokens, logprobs, tools)
+        headers = shift.headers() if shift is not None else None
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = await self._chunks(request, stream, bridge, shaper, usage)
-            return StreamingResponse(_chat_sse(chunks), media_type="text/event-stream")
+            return StreamingResponse(_chat_sse(chunks), media_type="text/event-stream", headers=headers)
         result = await self._collect(request, stream, bridge)
-        self._remember(shaper.id, body.model, prompt, result.choices)
-        return JSONResponse(shaper.response(result))
+        self._remember(shaper.id, body.model, list(stream.request.prompt), result.choices)  # the tokens computed
+        answer = shaper.response(result)
+        return JSONResponse(answer if shift is None else {**answer, "kvrt": {"context_shift": shift.field()}},
+                            headers=headers)
 
     def _start(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
                max_tokens: int | None, logprobs: int | None,
-               tools: ToolPlan | None) -> tuple[RequestStream, Bridge, Shaper]:
-        """Submit ``body``'s request for ``prompt``: its event stream, the bridge that wakes its reader, and the
-        shaper of its answer."""
+               tools: ToolPlan | None) -> tuple[RequestStream, Bridge, Shaper, ContextShift | None]:
+        """Submit ``body``'s request for ``prompt`` (shifted to fit, under the shift policy): its event stream, the
+        bridge that wakes its reader, the shaper of its answer, and the shift (``None``: the prompt as given)."""
+        shift = None
+        if self.context_policy == "shift":
+            prompt, shift = shift_prompt(prompt, engine.config, n=body.n, max_tokens=max_tokens or
+                                         self.default_max_tokens, keep=self.keep_tokens)
         try:
             job = engine_request(body, prompt, n_cells=engine.n_cells, n_vocab=engine.model.n_vocab,
                                  max_tokens=max_tokens, default_max_tokens=self.default_max_tokens, logprobs=logprobs,
@@ -500,7 +519,7 @@ class OpenAIServer:
         shaper = Shaper(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), body.model, engine.model, job.n,
                         logprobs is not None, tokens=kind == "text" and body.return_tokens,
                         tools=tools.names if tools is not None else None)
-        return stream, bridge, shaper
+        return stream, bridge, shaper, shift
 
     def _submit(self, engine: Engine, submit: Callable[[], RequestStream], job: Request | None,
                 grammar_field: str = "response_format") -> RequestStream:
