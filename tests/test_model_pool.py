@@ -24,6 +24,7 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed")
 from kvrt.accounting.estimate import ModelShape, context_estimate  # noqa: E402
 from kvrt.accounting.ledger import VramLedger  # noqa: E402
 from kvrt.engine.admission import EngineConfig  # noqa: E402
+from kvrt.errors import KvrtError  # noqa: E402
 from kvrt.modelfiles.testmodels import write_model  # noqa: E402
 from kvrt.serve.model_pool import ModelPool  # noqa: E402
 from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
@@ -224,3 +225,26 @@ def test_an_http_unload_leaves_weights_another_user_leases(served: Served):
         assert other.model.tokenize("still here")  # the weights are alive
     finally:
         served.registry.release(other)
+
+
+def test_a_models_dir_file_that_would_take_another_models_name_is_refused_at_start(models_dir: Path, tmp_path: Path):
+    elsewhere = write_model(tmp_path / "a.gguf", "tiny", seed=9)
+    registry = ModelRegistry(VramLedger(1 << 30), measure=False)
+    with pytest.raises(KvrtError, match="two models would share the name 'a'"):
+        ModelPool(registry, CONFIG, models={"a": elsewhere}, models_dir=models_dir)
+    pool = ModelPool(registry, CONFIG, models={"a": models_dir / "a.gguf"}, models_dir=models_dir)  # the same file
+    assert pool.names() == ["a", "b", "big", "c"]
+    pool.close()
+
+
+def test_a_file_that_fails_to_load_leaves_nothing_charged_and_is_tried_again(tmp_path: Path):
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF" + bytes(60))
+    ledger = VramLedger(1 << 30)
+    pool = ModelPool(ModelRegistry(ledger, measure=False), CONFIG, models_dir=tmp_path)
+    try:
+        first = pool.load("broken")
+        assert isinstance(first.exception(WAIT_S), KvrtError)
+        assert ledger.allocated_bytes == 0 and not pool.is_loaded("broken")
+        assert pool.load("broken") is not first  # a new attempt, not the failed one's future
+    finally:
+        pool.close()

@@ -119,7 +119,7 @@ class ModelPool:
             self._add(name, Path(path))
         if models_dir is not None and not models_dir.is_dir():
             raise KvrtError(f"--models-dir {models_dir}: not a directory")
-        self._scan()
+        self._scan(strict=True)
         self.engines: Mapping[str, Engine] = _LoadedEngines(self)
 
     @classmethod
@@ -141,14 +141,20 @@ class ModelPool:
         self._paths[name] = path
         self._counts.setdefault(name, _Counts())
 
-    def _scan(self) -> None:
+    def _scan(self, *, strict: bool = False) -> None:
         """Add the models directory's GGUF files not known yet (a file that went away stays known: loading it
-        fails with the reason)."""
+        fails with the reason). ``strict`` (at start): a file whose name another model has, or may not be used,
+        is an error; later such a file is skipped."""
         if self.models_dir is None:
             return
         with self._lock:
             for path in sorted(self.models_dir.glob("*.gguf")):
-                if path.stem not in self._paths:
+                known = self._paths.get(path.stem)
+                if known is not None and known.resolve() == path.resolve():
+                    continue
+                if strict:
+                    self._add(path.stem, path)  # raises, naming both files or the reserved prefix
+                elif known is None and not path.stem.startswith(RESERVED_PREFIX):
                     self._add(path.stem, path)
 
     def names(self) -> list[str]:
