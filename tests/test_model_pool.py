@@ -248,3 +248,12 @@ def test_a_file_that_fails_to_load_leaves_nothing_charged_and_is_tried_again(tmp
         assert pool.load("broken") is not first  # a new attempt, not the failed one's future
     finally:
         pool.close()
+
+
+def test_the_engines_view_iterates_one_copy(served: Served):
+    """/health, /metrics and /v1/kvrt/stats walk the loaded engines while models may unload: items() is one copy,
+    never a mix of the names before and the engines after."""
+    assert served.complete("a")[0] == 200
+    items = served.pool.engines.items()
+    assert served.pool.unload("a")
+    assert [name for name, _ in items] == ["a"] and dict(served.pool.engines) == {}

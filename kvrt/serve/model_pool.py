@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, ItemsView, Iterator, Mapping, ValuesView
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +73,8 @@ class _Counts:
 
 
 class _LoadedEngines(Mapping[str, Engine]):
-    """A live, read-only view of the loaded engines by name (iteration works on a copy taken under the lock)."""
+    """A live, read-only view of the loaded engines by name; iterating (keys, items, values) walks one copy taken
+    under the pool's lock, so a model loaded or unloaded meanwhile never breaks it."""
 
     def __init__(self, pool: ModelPool) -> None:
         self._pool = pool
@@ -90,6 +91,12 @@ class _LoadedEngines(Mapping[str, Engine]):
 
     def __len__(self) -> int:
         return len(self._copy())
+
+    def items(self) -> ItemsView[str, Engine]:  # one copy: a model unloaded meanwhile is never half-seen
+        return self._copy().items()
+
+    def values(self) -> ValuesView[Engine]:
+        return self._copy().values()
 
 
 class ModelPool:
