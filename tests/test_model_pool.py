@@ -24,8 +24,12 @@ pytest.importorskip("fastapi", reason="the serve extra is not installed")
 from kvrt.accounting.estimate import ModelShape, context_estimate  # noqa: E402
 from kvrt.accounting.ledger import VramLedger  # noqa: E402
 from kvrt.engine.admission import EngineConfig  # noqa: E402
+from kvrt.engine.batching import Engine  # noqa: E402
+from kvrt.engine.generation import GenerationParams  # noqa: E402
+from kvrt.engine.requests import Request  # noqa: E402
 from kvrt.errors import KvrtError  # noqa: E402
 from kvrt.modelfiles.testmodels import write_model  # noqa: E402
+from kvrt.serve import model_pool  # noqa: E402
 from kvrt.serve.model_pool import ModelPool  # noqa: E402
 from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
 from kvrt.serve.registry import ModelRegistry  # noqa: E402
@@ -257,3 +261,27 @@ def test_the_engines_view_iterates_one_copy(served: Served):
     items = served.pool.engines.items()
     assert served.pool.unload("a")
     assert [name for name, _ in items] == ["a"] and dict(served.pool.engines) == {}
+
+
+def test_unload_refuses_while_the_engine_has_a_request_no_http_request_holds(served: Served,
+                                                                            monkeypatch: pytest.MonkeyPatch):
+    """The engine's own queue counts too (a request submitted around the HTTP front, or one whose client has gone
+    while the engine has not reaped it yet): its worker is stopped before each step until the test lets it go."""
+    gate = threading.Event()
+
+    def stopped_engine(*args: Any, **kwargs: Any) -> Engine:
+        return Engine(*args, before_step=lambda: None if gate.wait(WAIT_S) else None, **kwargs)
+
+    monkeypatch.setattr(model_pool, "Engine", stopped_engine)
+    try:
+        assert served.call("POST", "/v1/kvrt/models/a/load")[0] == 200
+        engine = served.pool.engines["a"]
+        engine.submit(Request([1, 2, 3], GenerationParams(max_tokens=2)))
+        status, reply = served.call("POST", "/v1/kvrt/models/a/unload")
+        assert status == 409 and "0 request(s) or pin(s) hold it; 1 queued" in reply["error"]["message"], reply
+    finally:
+        gate.set()
+    limit = time.monotonic() + WAIT_S  # a bound on the wait, not an assertion on time
+    while (engine.stats().queued or engine.stats().active) and time.monotonic() < limit:
+        time.sleep(0.01)
+    assert served.call("POST", "/v1/kvrt/models/a/unload")[0] == 200
