@@ -285,3 +285,31 @@ def test_unload_refuses_while_the_engine_has_a_request_no_http_request_holds(ser
     while (engine.stats().queued or engine.stats().active) and time.monotonic() < limit:
         time.sleep(0.01)
     assert served.call("POST", "/v1/kvrt/models/a/unload")[0] == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_requests_hold_is_let_go_before_its_answer_ends(stream: bool):
+    """A client that unloads right after an answer must find the model free: the hold goes before the last body
+    message is sent (it went after, in the middleware's finally, and an unload just after a completion got 409)."""
+    import asyncio
+
+    from kvrt.serve.http_middleware import Observe
+
+    held = ["model"]
+    seen: list[tuple[bool, list[str]]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        scope["state"]["kvrt"].releases.append(held.clear)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if stream:
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def send(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            seen.append((message.get("more_body", False), list(held)))
+
+    middleware = Observe(app, done=lambda *_: None)
+    asyncio.run(middleware({"type": "http", "method": "POST", "path": "/v1/completions"}, None, send))
+    assert seen[-1] == (False, [])  # released when the last body message went out
+    assert all(still == ["model"] for more, still in seen if more)  # not before: a stream still uses the model

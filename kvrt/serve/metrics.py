@@ -39,7 +39,7 @@ class RequestRecord:
     ttft_s: float | None = None
     gaps_s: list[float] = field(default_factory=list)  # between consecutive tokens of one choice
     _last: dict[int, float] = field(default_factory=dict)
-    releases: list[Callable[[], None]] = field(default_factory=list)  # called once the answer is sent (model holds)
+    releases: list[Callable[[], None]] = field(default_factory=list)  # model holds, let go as the answer ends
 
     def token(self, index: int) -> None:
         """Choice ``index`` produced a token now."""

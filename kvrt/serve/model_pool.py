@@ -14,8 +14,8 @@ Invariants:
   so a refused load leaves the ledger and the registry as they were (bar the idle models it unloaded to make room);
 * one load at a time, on the pool's loader thread, never on the event loop: concurrent requests for one unloaded
   model share its one load, and two loads never race to unload the same models;
-* a model is *busy* while an HTTP request holds it (:meth:`ModelPool.hold`: from the lookup until its answer is
-  sent, a stream's last chunk included; a pin holds it until unpinned) or while its engine has queued or running
+* a model is *busy* while an HTTP request holds it (:meth:`ModelPool.hold`: from the lookup until its answer's
+  last body message, a stream's included; a pin holds it until unpinned) or while its engine has queued or running
   requests; a busy model is never unloaded, neither to make room nor by :meth:`ModelPool.unload`.
 """
 

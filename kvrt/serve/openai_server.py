@@ -245,8 +245,6 @@ class OpenAIServer:
         """One request answered: counted under its route's template (``other`` where no route serves it)
         and logged."""
         route = next((r.path for r in self.app.routes if isinstance(r, Route) and r.path_regex.match(path)), "other")
-        for release in record.releases:  # the request's holds on its model
-            release()
         self.metrics.request_done(route, status, record)
         ttft = "-" if record.ttft_s is None else f"{record.ttft_s * 1e3:.1f}"
         log.info("%s %s model=%s status=%d prompt_tokens=%d completion_tokens=%d ttft_ms=%s total_ms=%.1f", method,
