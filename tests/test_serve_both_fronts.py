@@ -3,7 +3,8 @@
 A model both fronts use is loaded and charged once (the registry's refcount counts the HTTP
 front's lease and every socket agent's), the HTTP engine's context is on the ledger the socket's
 agents are admitted to, both answer at once, and SIGTERM stops both with status 0. A model the
-ledger cannot hold is refused at start with the ledger's numbers.
+ledger cannot hold is refused at start with the ledger's numbers. A ``--models-dir`` model the HTTP front
+loads on demand and unloads again keeps its weights while a socket agent leases them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from kvrt.serve.client import Client
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
@@ -97,5 +98,57 @@ def test_a_model_the_ledger_cannot_hold_is_refused_with_its_numbers(tmp_path: Pa
                            "--model", str(tiny_model_path), "--threads", "1", "--capacity-bytes", "4096",
                            "--charge", "estimated"], capture_output=True, text=True, timeout=WAIT_S, env=ENV)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr  # the CLI's status for a refusal
-    assert "VRAM ledger denied model:" in done.stderr and "of max 4096 B" in done.stderr, done.stderr
+    # the weights and the engine's context are admitted together, before either is allocated
+    assert f"VRAM ledger denied http:{tiny_model_path.stem} (weights " in done.stderr, done.stderr
+    assert "of max 4096 B" in done.stderr, done.stderr
     assert not (tmp_path / "kvrt.sock").exists()  # the socket front that had started is gone again
+
+
+def _http(address: str, method: str, path: str) -> tuple[int, dict]:
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
+    try:
+        connection.request(method, path)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def test_an_http_unload_never_frees_a_socket_agents_model(tmp_path: Path, tiny_model_path: Path,
+                                                          other_tiny_model_path: Path):
+    """--models-dir beside --socket: the HTTP front loads a model on demand that a socket agent also uses (one
+    registry entry, two leases), then unloads it; the agent's weights stay loaded and charged, and it decodes on."""
+    models = tmp_path / "models"
+    models.mkdir()
+    for path in (tiny_model_path, other_tiny_model_path):
+        shutil.copyfile(path, models / path.name)
+    shared = models / tiny_model_path.name
+    sock = tmp_path / "kvrt.sock"
+    proc = subprocess.Popen([*KVRT, "serve", "--socket", str(sock), "--http", "127.0.0.1:0", "--models-dir",
+                             str(models), "--n-ctx", "1024", "--slots", "2", "--threads", "1", "--capacity-bytes",
+                             str(4 << 30), "--charge", "estimated"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        lines = [proc.stdout.readline() if proc.stdout else "" for _ in range(2)]
+        found = re.search(r"http://([^/\s]+)/v1", lines[1])
+        assert found and "on demand: tiny, tiny-seed1" in lines[1], (lines, proc.stderr)
+        address = found.group(1)
+        with Client(sock) as client:
+            client.register("a", shared, 512)
+            assert client.decode("a", "Hello, my name is", 4).fields["generated_tokens"] == "4"
+            assert _completion(address, "tiny", [1, 2, 3, 4])["usage"]["completion_tokens"] == 6  # loaded now
+            assert _model_line(client.status())["refcount"] == "2"  # the agent's lease and the HTTP front's
+            status, card = _http(address, "POST", "/v1/kvrt/models/tiny/unload")
+            assert status == 200 and card["unloaded"] and not card["loaded"], card
+            after = client.status()
+            assert after["models"] == "1" and _model_line(after)["refcount"] == "1"  # the agent's lease is left
+            owners = _http(address, "GET", "/v1/kvrt/stats")[1]["kvrt:ledger"]["by_owner"]
+            assert "http:tiny" not in owners and f"model:{shared.name}" in owners, owners
+            assert client.decode("a", " and then", 4).fields["generated_tokens"] == "4"  # its weights are alive
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT_S) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

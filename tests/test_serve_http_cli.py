@@ -168,3 +168,30 @@ def test_a_second_sigterm_exits_at_once_with_status_1(demo_model_path: Path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_models_dir_beside_model_lists_both_and_loads_on_demand(tmp_path: Path, tiny_model_path: Path,
+                                                               other_tiny_model_path: Path):
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / other_tiny_model_path.name).write_bytes(other_tiny_model_path.read_bytes())
+    with serving("--model", str(tiny_model_path), "--models-dir", str(models), "--n-ctx", "512", "--slots", "2",
+                 "--threads", "1", "--host-mib", "0") as url:
+        address = url.removeprefix("http://").removesuffix("/v1")
+        listed = {card["id"]: card["loaded"] for card in _get(address, "/v1/models")["data"]}
+        assert listed == {tiny_model_path.stem: True, other_tiny_model_path.stem: False}
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=WAIT_S)
+        reply = client.completions.create(model=other_tiny_model_path.stem, prompt=[1, 2, 3], max_tokens=3,
+                                          temperature=0)
+        assert reply.usage.completion_tokens == 3
+        assert all(card["loaded"] for card in _get(address, "/v1/models")["data"])
+
+
+def _get(address: str, path: str) -> dict:
+    host, port = address.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
+    try:
+        connection.request("GET", path)
+        return json.loads(connection.getresponse().read())
+    finally:
+        connection.close()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,10 +12,9 @@ from kvrt.commands._args import non_negative_int, positive_int, seconds
 from kvrt.errors import KvrtError
 
 if TYPE_CHECKING:  # the serve extra's imports wait until --http is used
-    from kvrt.accounting.ledger import Reservation
-    from kvrt.runtime.batching import Engine
+    from kvrt.serve.model_pool import ModelPool
     from kvrt.serve.openai_server import OpenAIServer
-    from kvrt.serve.registry import LoadedModel, ModelRegistry
+    from kvrt.serve.registry import ModelRegistry
 
 DESCRIPTION = """With --http HOST:PORT, serve one or more GGUF models over HTTP with OpenAI's
 API: /v1/models, /v1/completions, /v1/responses and /v1/chat/completions (streaming, n, logprobs, stop, seed,
@@ -26,7 +25,10 @@ together, one batch per step, so many requests share the machine; a prompt that 
 earlier one reuses that one's cached cells and only the rest is computed. kvrt's own routes:
 /v1/kvrt/pins (keep a prefix cached), /v1/kvrt/fork (continue an earlier completion),
 /v1/kvrt/stats; operators get /health (open even with --api-key), /metrics (Prometheus),
-/tokenize and /detokenize. A model's name is its file name without .gguf. Every option can
+/tokenize and /detokenize. A model's name is its file name without .gguf. With --models-dir every GGUF there
+is listed (loaded or not) and loaded on a request's demand, the least recently used idle models unloaded to make
+room in the ledger (HTTP 507 with the ledger's numbers when even that is not enough); POST
+/v1/kvrt/models/NAME/load and /unload (409 while requests use it) do it by hand. Every option can
 also be set by the environment variable named beside it (KVRT_<OPTION>); the command line wins."""
 
 
@@ -34,7 +36,11 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     """The HTTP front's options (``--http`` itself is added by the caller)."""
     group = parser.add_argument_group("HTTP front (--http)")
     group.add_argument("--model", metavar="PATH", action="append", default=argparse.SUPPRESS,
-                       help="a GGUF file to serve; repeat for several models (none given: the demo model)")
+                       help="a GGUF file to serve, loaded at start; repeat for several models (none given and no "
+                            "--models-dir: the demo model)")
+    group.add_argument("--models-dir", metavar="DIR", default=None,
+                       help="serve every *.gguf in DIR too, loaded on first request; idle models are unloaded, least "
+                            "recently used first, when another needs the room")
     group.add_argument("--n-ctx", type=positive_int, default=4096,
                        help="token cells per model for all its requests (prompt and output), laid out by --kv-layout")
     group.add_argument("--slots", type=positive_int, default=8, help="requests (or choices) decoded together per model")
@@ -62,6 +68,12 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                             "prompt's logits are those of a cold evaluation of the same prompt, bit for bit: a cached "
                             "prefix is reused only in whole prefill units computed alone, and the rest is prefilled "
                             "in steps of its own (the others wait those steps); exact in the split KV layout")
+    group.add_argument("--context-policy", choices=("refuse", "shift"), default="refuse",
+                       help="a prompt longer than a request's cells: refuse it (HTTP 400 naming the limit), or shift "
+                            "it: keep the first --keep-tokens tokens and the most recent ones, drop the middle (the "
+                            "answer says so: header X-Kvrt-Context-Shift, and a kvrt.context_shift field unstreamed)")
+    group.add_argument("--keep-tokens", type=non_negative_int, default=1,
+                       help="with --context-policy shift: the prompt's first tokens always kept (1: a BOS)")
     group.add_argument("--request-timeout-s", type=seconds(zero=False), default=argparse.SUPPRESS,
                        help="end any request after this many seconds, finish_reason 'deadline' (none: no limit)")
 
@@ -77,71 +89,53 @@ def parse_address(text: str) -> tuple[str, int]:
 
 @dataclass
 class HttpFront:
-    """A started HTTP server and what it holds: an engine per model, each model leased from the process's
+    """A started HTTP server and its model pool: an engine per loaded model, each model leased from the process's
     :class:`ModelRegistry` (shared with the socket front's agents on the same file) and each engine's context
     charged to the ledger. :meth:`close` stops it and gives all of that back."""
 
     server: OpenAIServer
     address: tuple[str, int]
-    registry: ModelRegistry
-    engines: dict[str, Engine] = field(default_factory=dict)
-    leases: list[tuple[LoadedModel, Reservation]] = field(default_factory=list)
+    pool: ModelPool
 
     def close(self) -> None:
         """Stop accepting, end open requests (streams get their final event and [DONE]), then free everything."""
         self.server.stop_accepting()
-        for engine in self.engines.values():
-            engine.close()
+        self.pool.close_engines()
         self.server.stop()
-        _free(self.registry, self.engines, self.leases)
-
-
-def _free(registry: ModelRegistry, engines: dict[str, Engine], leases: list[tuple[LoadedModel, Reservation]]) -> None:
-    """Close the engines (their host tiers' memory goes with them), then give their contexts' charges and their
-    models' leases back."""
-    for engine in engines.values():
-        engine.close()
-    for entry, reservation in leases:
-        registry.ledger.release(reservation)
-        registry.release(entry)
+        self.pool.close()
 
 
 def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
     """Load every ``--model`` through ``registry`` (admitted by its ledger, or refused with the ledger's numbers
-    before its weights are read), charge one engine's context each, and serve them on ``--http`` from a
-    background thread."""
-    from kvrt.accounting.estimate import context_estimate
+    before its weights are read), charge one engine's context each, list ``--models-dir``'s models for loading on
+    demand, and serve them on ``--http`` from a background thread."""
     from kvrt.modelfiles.demo_model import demo_model_path
     from kvrt.runtime.admission import EngineConfig
-    from kvrt.runtime.batching import Engine
+    from kvrt.serve.model_pool import ModelPool
     from kvrt.serve.openai_server import OpenAIServer
 
     host_name, port = parse_address(args.http)
-    paths = [Path(p) for p in getattr(args, "model", None) or [demo_model_path()]]
+    models_dir = Path(args.models_dir) if getattr(args, "models_dir", None) else None
+    paths = [Path(p) for p in getattr(args, "model", None) or ([] if models_dir else [demo_model_path()])]
     names = [p.stem for p in paths]
     if len(set(names)) != len(names):
         raise KvrtError(f"two models would share a name (the file stem): {names}")
     config = EngineConfig(n_ctx=args.n_ctx, n_seq_max=args.slots, n_batch=args.n_batch,
                           prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
                           flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout)
-    engines: dict[str, Engine] = {}
-    leases: list[tuple[LoadedModel, Reservation]] = []
+    pool = ModelPool(registry, config, models=dict(zip(names, paths)), models_dir=models_dir)
     try:
-        for name, path in zip(names, paths):
-            entry = registry.acquire(path)
-            try:
-                cells = context_estimate(entry.shape, config.n_ctx, min(config.n_batch, 512)).total_bytes
-                leases.append((entry, registry.ledger.try_reserve(cells, f"http:{name}")))
-            except BaseException:
-                registry.release(entry)
-                raise
-            engines[name] = Engine(entry.model, config)  # its host tier pinned on a GPU
-        server = OpenAIServer(engines, default_max_tokens=args.max_tokens,
+        if not pool.names():
+            raise KvrtError(f"--models-dir {models_dir}: no *.gguf files there, and no --model given")
+        for name in names:
+            pool.preload(name)
+        server = OpenAIServer(pool, default_max_tokens=args.max_tokens,
                               request_timeout_s=getattr(args, "request_timeout_s", None),
                               max_input_bytes=args.max_input_bytes, api_key=args.api_key,
-                              sse_keepalive_s=args.sse_keepalive_s, exact_prefix=args.exact_prefix)
+                              sse_keepalive_s=args.sse_keepalive_s, exact_prefix=args.exact_prefix,
+                              context_policy=args.context_policy, keep_tokens=args.keep_tokens)
         address = server.start(host_name, port)  # an address it cannot listen on: KvrtError, one line
     except BaseException:
-        _free(registry, engines, leases)
+        pool.close()
         raise
-    return HttpFront(server, address, registry, engines, leases)
+    return HttpFront(server, address, pool)

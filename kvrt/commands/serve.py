@@ -14,8 +14,10 @@ the timeout is abandoned (exit status 1); a second signal during shutdown exits 
 restarted daemon brings every saved agent back, after a crash too; an agent whose state
 could not be saved (a full or read-only state dir) is named in the log and the exit
 status is 1.
-HTTP: see :mod:`kvrt.commands._http`; its models are admitted by the same ledger (a model that does not fit is
-refused at start with the ledger's numbers). SIGTERM or Ctrl-C stops accepting, ends open requests (streams get a
+HTTP: see :mod:`kvrt.commands._http`; its models are admitted by the same ledger (a ``--model`` that does not fit
+is refused at start with the ledger's numbers; a ``--models-dir`` model loaded on demand may unload idle HTTP
+models, never a socket agent's weights: the registry frees a model only when its last lease goes). SIGTERM or
+Ctrl-C stops accepting, ends open requests (streams get a
 final error event and ``[DONE]``), closes the engines and exits 0, within ``--shutdown-timeout-s`` (else exit status
 1); a second signal exits at once (status 1). With both fronts the HTTP front stops first, then the socket's.
 """
@@ -125,7 +127,10 @@ def run(args: argparse.Namespace) -> int:
         if args.http:
             fronts.http = _http.start_http(args, registry)
             host, port = fronts.http.address
-            print(f"kvrt serve: http://{host}:{port}/v1 serving {', '.join(fronts.http.engines)}", flush=True)
+            pool = fronts.http.pool
+            waiting = [name for name in pool.names() if not pool.is_loaded(name)]
+            print(f"kvrt serve: http://{host}:{port}/v1 serving {', '.join(pool.engines) or 'no model yet'}"
+                  + (f" (on demand: {', '.join(waiting)})" if waiting else ""), flush=True)
         signals.wait_for_first()
     except BaseException:
         fronts.stop(args.shutdown_timeout_s)

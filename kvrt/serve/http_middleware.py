@@ -44,10 +44,17 @@ class RequireKey:
         return ApiError(401, message, code="invalid_api_key")
 
 
+def release(record: RequestRecord) -> None:
+    """Run and forget ``record``'s releases (its holds on a model), each once."""
+    while record.releases:
+        record.releases.pop()()
+
+
 class Observe:
     """ASGI middleware: gives each request a :class:`RequestRecord` (``request.state.kvrt``) for its route
     to fill in, and hands it with the status to ``done(method, path, status, record)`` once the answer
-    is sent (a stream's last chunk included)."""
+    is sent (a stream's last chunk included). The record's releases run just before the answer's last body
+    message goes out (and, for an answer that never got there, after the app returns)."""
 
     def __init__(self, app: Any, done: Callable[[str, str, int, RequestRecord], None]) -> None:
         self.app, self._done = app, done
@@ -64,9 +71,12 @@ class Observe:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                release(record)  # before the client can see the answer end: its next call finds the model free
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
         finally:
+            release(record)
             self._done(scope["method"], scope["path"], status, record)

@@ -10,7 +10,7 @@ held, prompt tokens reused from the prefix cache and prefilled, and the KV layou
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,7 @@ class RequestRecord:
     ttft_s: float | None = None
     gaps_s: list[float] = field(default_factory=list)  # between consecutive tokens of one choice
     _last: dict[int, float] = field(default_factory=dict)
+    releases: list[Callable[[], None]] = field(default_factory=list)  # model holds, let go as the answer ends
 
     def token(self, index: int) -> None:
         """Choice ``index`` produced a token now."""

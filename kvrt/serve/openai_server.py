@@ -17,7 +17,10 @@ engine's queue is full. kvrt's own routes live under ``/v1/kvrt/``:
     text: the new prompt is that completion's exact tokens plus ``prompt``, so the
     prefix cache finds the earlier cells (no detokenize/retokenize drift);
 ``GET /v1/kvrt/stats``
-    every engine's counters (prefilled and reused tokens, slots, cells).
+    every loaded engine's counters (prefilled and reused tokens, slots, cells), and under ``kvrt:models``
+    and ``kvrt:ledger`` every model's state and the VRAM ledger's numbers;
+``POST /v1/kvrt/models/{name}/load`` / ``POST /v1/kvrt/models/{name}/unload``
+    load or unload a model of the pool (see :mod:`kvrt.serve.model_routes`: on-demand loads, 507, 409).
 
 ``POST /tokenize`` / ``POST /detokenize`` (llama-server's shapes)
     ``{"content", "add_special", "model"}`` -> ``{"tokens"}`` (special-token text parsed) and
@@ -55,7 +58,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, replace
 from typing import Any, TypeVar
 
@@ -83,9 +86,12 @@ from kvrt.runtime.requests import (
 )
 from kvrt.serve.api_error import ApiError
 from kvrt.serve.chat_prompt import ToolPlan, chat_prompt, tool_plan, tools_of
+from kvrt.serve.context_policy import ContextShift, check_policy, shift_prompt
 from kvrt.serve.http_middleware import Observe, RequireKey
 from kvrt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvrt.serve.metrics import RequestRecord, ServerMetrics
+from kvrt.serve.model_pool import ModelPool
+from kvrt.serve.model_routes import ModelRoutes
 from kvrt.serve.openai_format import Kind, Shaper
 from kvrt.serve.openai_schema import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
@@ -138,7 +144,8 @@ def _note(record: RequestRecord, event: Event) -> None:
 
 
 class OpenAIServer:
-    """The HTTP front over ``engines`` (model name -> engine); the engines stay the caller's to close.
+    """The HTTP front over ``engines``: a :class:`ModelPool` (models loaded on demand, unloaded when idle; the
+    pool stays the caller's to close) or a mapping of model name -> engine (fixed; the engines stay the caller's).
 
     ``default_max_tokens`` caps chat / fork requests that give no max_tokens;
     ``request_timeout_s`` (if set) is every request's deadline; the tokens of the latest
@@ -147,36 +154,41 @@ class OpenAIServer:
     bearer token; a stream whose request has produced nothing for ``sse_keepalive_s`` (waiting in the
     queue, or for its first token) gets an SSE comment, ``: keep-alive``. ``exact_prefix`` is what a request
     (or pin) that sets no ``exact_prefix`` of its own gets (:attr:`kvrt.runtime.requests.Request.exact`).
+    ``context_policy`` and ``keep_tokens``: what a prompt longer than a request's cells gets (a 400, or shifted:
+    :mod:`kvrt.serve.context_policy`).
     """
 
-    def __init__(self, engines: Mapping[str, Engine], *, default_max_tokens: int = 512,
+    def __init__(self, engines: Mapping[str, Engine] | ModelPool, *, default_max_tokens: int = 512,
                  request_timeout_s: float | None = None, remember: int = 1024,
                  max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES, api_key: str | None = None,
-                 sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S, exact_prefix: bool = False) -> None:
-        if not engines:
+                 sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S, exact_prefix: bool = False,
+                 context_policy: str = "refuse", keep_tokens: int = 1) -> None:
+        self.pool = engines if isinstance(engines, ModelPool) else ModelPool.fixed(engines)
+        if not self.pool.names():
             raise KvrtError("the OpenAI server needs at least one model")
         if isinstance(max_input_bytes, bool) or not isinstance(max_input_bytes, int) or max_input_bytes < 1:
             raise KvrtError(f"max_input_bytes must be a positive integer, got {max_input_bytes!r}")
         if api_key is not None and (not api_key or api_key != api_key.strip()):
             raise KvrtError("api_key must be non-empty, without leading or trailing spaces")
+        self.context_policy, self.keep_tokens = check_policy(context_policy, keep_tokens)
         if not sse_keepalive_s > 0:
             raise KvrtError(f"sse_keepalive_s must be a positive number of seconds, got {sse_keepalive_s!r}")
         self.max_input_bytes = max_input_bytes
         self.sse_keepalive_s = sse_keepalive_s
         self._api_key = api_key
         self._tokenizer = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvrt-tokenize")
-        self.engines = dict(engines)
+        self.engines = self.pool.engines  # the loaded ones, a live view
         self._loop_waker: Waker | None = None
-        self._pieces = {name: self._tokenizer.submit(longest_piece, engine.model)  # model name -> its longest
-                        for name, engine in self.engines.items()}                  # token's bytes (a vocab pass)
+        self._pieces: dict[str, Future[int]] = {}  # model name -> its longest token's bytes (a vocab pass, lazily)
         self.default_max_tokens = default_max_tokens
         self.exact_prefix = exact_prefix
         self.request_timeout_s = request_timeout_s
         self._remember_n = remember
-        self._created = int(time.time())
+        self.models = ModelRoutes(self.pool, int(time.time()))
         self._outputs: OrderedDict[str, tuple[str, list[list[int]]]] = OrderedDict()
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()  # /v1/responses with store
-        self._pins: dict[str, tuple[str, str]] = {}  # public pin id -> (model, the engine's pin id)
+        self._pins: dict[str, tuple[Engine, str, Callable[[], None]]] = {}  # public pin id -> (engine, the
+        # engine's pin id, the release of the pin's hold on the model)
         self._server: Any = None
         self._stopping = False  # stop_accepting() was called: /health says 503
         self._thread: threading.Thread | None = None
@@ -193,8 +205,10 @@ class OpenAIServer:
         app.add_middleware(Observe, done=self._answered)  # outermost: refusals of the key are counted too
         app.get("/health")(self.health)
         app.get("/metrics")(self.prometheus)
-        app.get("/v1/models")(self.list_models)
-        app.get("/v1/models/{model_id}")(self.get_model)
+        app.get("/v1/models")(self.models.list_models)
+        app.get("/v1/models/{model_id}")(self.models.get_model)
+        app.post("/v1/kvrt/models/{name}/load")(self.models.load)
+        app.post("/v1/kvrt/models/{name}/unload")(self.models.unload)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/responses")(self.responses)
@@ -237,22 +251,12 @@ class OpenAIServer:
                  route, record.model or "-", status, record.prompt_tokens, record.completion_tokens, ttft,
                  (time.monotonic() - record.started) * 1e3)
 
-    def _model_card(self, name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": self._created, "owned_by": "kvrt"}
-
-    async def list_models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self._model_card(name) for name in self.engines]}
-
-    async def get_model(self, model_id: str) -> dict[str, Any]:
-        self._engine(model_id)
-        return self._model_card(model_id)
-
     async def completions(self, request: HttpRequest) -> Response:
         body = parse(CompletionBody, await self._json(request))
         if body.echo:
             raise ApiError(400, "echo is not supported by kvrt's server", param="echo", code="unsupported_parameter")
-        engine = self._engine(body.model)
-        limit = await self._limit(body.model)
+        engine = await self.models.engine(request, body.model)
+        limit = await self._limit(body.model, engine)
         prompt = await self._off_loop(lambda: completion_prompt(engine.model, body.prompt, limit=limit))
         return await self._run(request, "text", body, engine, prompt,
                                body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs)
@@ -261,16 +265,16 @@ class OpenAIServer:
         body = parse(ChatBody, await self._json(request))
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        engine, prompt, plan = await self._chat_prompt(body)
+        engine, prompt, plan = await self._chat_prompt(request, body)
         return await self._run(request, "chat", body, engine, prompt, body.max_completion_tokens or body.max_tokens,
                                (body.top_logprobs or 0) if body.logprobs else None, plan)
 
-    async def _chat_prompt(self, body: ChatBody,
+    async def _chat_prompt(self, request: HttpRequest, body: ChatBody,
                            earlier: ExactTurn | None = None) -> tuple[Engine, list[int], ToolPlan | None]:
         """A chat body's engine, prompt tokens and tool plan; ``earlier``: the stored turn that ``body`` continues
         (see :mod:`kvrt.serve.response_chain`)."""
-        engine = self._engine(body.model)
-        limit = await self._limit(body.model)
+        engine = await self.models.engine(request, body.model)
+        limit = await self._limit(body.model, engine)
         plan = await self._off_loop(lambda: tool_plan(body, engine.model))
         if earlier is not None:
             prompt = await self._off_loop(lambda: continued_prompt(engine.model, body, earlier, limit=limit))
@@ -288,15 +292,18 @@ class OpenAIServer:
         earlier = self._stored_response(previous, "previous_response_id") if previous is not None else None
         chat, conversation = chat_request(raw, earlier)
         body = parse(ChatBody, chat)
-        engine, prompt, plan = await self._chat_prompt(body, earlier.turn if earlier is not None else None)
-        stream, bridge, shaper = self._start(request, "chat", body, engine, prompt, body.max_tokens, None, plan)
+        engine, prompt, plan = await self._chat_prompt(request, body, earlier.turn if earlier is not None else None)
+        stream, bridge, shaper, shift = self._start(request, "chat", body, engine, prompt, body.max_tokens, None,
+                                                    plan)
+        headers = shift.headers() if shift is not None else None
         response_id, store = f"resp_{uuid.uuid4().hex}", raw.get("store", True)
         keep = functools.partial(self._store_response, chat, conversation, prompt) if store else None
         if raw.get("stream"):
             writer = ResponseEvents(raw, response_id, int(time.time()))
             choices: list[ChoiceResult] = []
             chunks = await self._chunks(request, stream, bridge, shaper, usage=True, choices=choices)
-            return StreamingResponse(self._response_sse(writer, chunks, keep, choices), media_type="text/event-stream")
+            return StreamingResponse(self._response_sse(writer, chunks, keep, choices), media_type="text/event-stream",
+                                     headers=headers)
         result = await self._collect(request, stream, bridge)
         answer = shaper.response(result)
         choice = answer["choices"][0]
@@ -304,7 +311,8 @@ class OpenAIServer:
                                    finish_reason=choice["finish_reason"], usage=answer["usage"])
         if keep is not None:
             keep(result.choices[0], response)
-        return JSONResponse(response)
+        return JSONResponse(response if shift is None else {**response, "kvrt": {"context_shift": shift.field()}},
+                            headers=headers)
 
     async def _response_sse(self, writer: ResponseEvents, chunks: Chunks,
                             keep: Callable[[ChoiceResult, dict[str, Any]], None] | None,
@@ -349,7 +357,7 @@ class OpenAIServer:
 
     async def fork(self, request: HttpRequest) -> Response:
         body = parse(ForkBody, await self._json(request))
-        engine = self._engine(body.model)
+        engine = await self.models.engine(request, body.model)
         earlier = self._outputs.get(body.completion_id)
         if earlier is None:
             raise ApiError(404, f"no remembered completion {body.completion_id!r} (the latest {self._remember_n} are "
@@ -360,7 +368,7 @@ class OpenAIServer:
         if body.choice >= len(choices):
             raise ApiError(400, f"choice: completion {body.completion_id!r} has {len(choices)} choice(s)",
                            param="choice")
-        limit = await self._limit(body.model)
+        limit = await self._limit(body.model, engine)
         held = len(choices[body.choice])
         suffix = await self._off_loop(lambda: text_tokens(engine.model, body.prompt, limit=limit, param="prompt",
                                                           add_special=False, held=held)) if body.prompt else []
@@ -369,10 +377,10 @@ class OpenAIServer:
 
     async def pin(self, request: HttpRequest) -> dict[str, Any]:
         body = parse(PinBody, await self._json(request))
-        engine = self._engine(body.model)
+        engine = await self.models.engine(request, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
-        limit = await self._limit(body.model)
+        limit = await self._limit(body.model, engine, shifts=False)  # a pin is never shifted
         tokens = await self._off_loop(lambda: completion_prompt(engine.model, body.prompt, limit=limit)
                                       if body.prompt is not None
                                       else chat_prompt(engine.model, body.messages or [], generation=False,
@@ -382,7 +390,9 @@ class OpenAIServer:
         stream = self._submit(engine, lambda: engine.pin(tokens, notify=bridge.notify, exact=exact), None)
         result = await self._collect(request, stream, bridge)
         pin_id = f"pin-{uuid.uuid4().hex}"
-        self._pins[pin_id] = (body.model, stream.id)
+        held = self.pool.hold(body.model)  # kept until unpinned: a model with pins is never unloaded
+        assert held is not None  # this request holds it too
+        self._pins[pin_id] = (engine, stream.id, held[1])
         return {"id": pin_id, "object": "kvrt.pin", "model": body.model, "tokens": len(tokens),
                 "cached_tokens": result.end.cached_tokens}
 
@@ -390,23 +400,27 @@ class OpenAIServer:
         entry = self._pins.pop(pin_id, None)
         if entry is None:
             raise ApiError(404, f"no pin {pin_id!r}", kind="not_found_error", param="pin_id", code="pin_not_found")
-        model_name, engine_pin = entry
-        deleted = await asyncio.wrap_future(self.engines[model_name].unpin(engine_pin))
+        engine, engine_pin, release = entry
+        try:
+            deleted = await asyncio.wrap_future(engine.unpin(engine_pin))
+        finally:
+            release()
         return {"id": pin_id, "object": "kvrt.pin", "deleted": deleted}
 
     async def stats(self) -> dict[str, Any]:
-        return {name: asdict(engine.stats()) for name, engine in self.engines.items()}
+        engines = {name: asdict(engine.stats()) for name, engine in self.engines.items()}
+        return {**engines, **self.models.stats()}
 
     async def tokenize(self, request: HttpRequest) -> dict[str, Any]:
         body = parse(TokenizeBody, await self._json(request))
-        model = self._only_or_named(body.model).model
+        model = (await self.models.only_or_named(request, body.model)).model
         tokens = await self._off_loop(lambda: model.tokenize(body.content, add_special=body.add_special,
                                                              parse_special=True))
         return {"tokens": tokens}
 
     async def detokenize(self, request: HttpRequest) -> dict[str, Any]:
         body = parse(DetokenizeBody, await self._json(request))
-        model = self._only_or_named(body.model).model
+        model = (await self.models.only_or_named(request, body.model)).model
         check_vocab(model, body.tokens, "tokens")
         return {"content": await self._off_loop(lambda: pieces_text(model, body.tokens))}
 
@@ -422,9 +436,16 @@ class OpenAIServer:
         """``fn()`` on the tokenizer threads (tokenizing and chat templates never run on the event loop)."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer, fn)
 
-    async def _limit(self, model_name: str) -> tuple[int, int]:
-        """(cells, longest token's bytes) of a model: what a prompt's text is checked against before tokenizing."""
-        return self.engines[model_name].n_cells, await asyncio.wrap_future(self._pieces[model_name])
+    async def _limit(self, model_name: str, engine: Engine, *, shifts: bool = True) -> tuple[int, int] | None:
+        """(cells, longest token's bytes) of a model (``engine``, held by the request): what a prompt's text is
+        checked against before tokenizing; ``None`` (no check: ``max_input_bytes`` bounds the text) where the
+        shift policy applies to the prompt (``shifts``)."""
+        if shifts and self.context_policy == "shift":
+            return None
+        pieces = self._pieces.get(model_name)
+        if pieces is None:
+            pieces = self._pieces[model_name] = self._tokenizer.submit(longest_piece, engine.model)
+        return engine.n_cells, await asyncio.wrap_future(pieces)
 
     async def _body(self, request: HttpRequest) -> bytes:
         """The request body, refused with 413 as soon as it is known to exceed ``max_input_bytes``."""
@@ -455,37 +476,29 @@ class OpenAIServer:
         check_json(body)
         return body
 
-    def _engine(self, name: str) -> Engine:
-        engine = self.engines.get(name)
-        if engine is None:
-            raise ApiError(404, f"the model {name!r} does not exist; this server has {sorted(self.engines)}",
-                           kind="not_found_error", param="model", code="model_not_found")
-        return engine
-
-    def _only_or_named(self, name: str | None) -> Engine:
-        """The engine of model ``name``; with none named, the server's only one (a 400 when it has several)."""
-        if name is not None:
-            return self._engine(name)
-        if len(self.engines) > 1:
-            raise ApiError(400, f"model: this server has {sorted(self.engines)}; name one", param="model")
-        return next(iter(self.engines.values()))
-
     async def _run(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
                    max_tokens: int | None, logprobs: int | None, tools: ToolPlan | None = None) -> Response:
-        stream, bridge, shaper = self._start(request, kind, body, engine, prompt, max_tokens, logprobs, tools)
+        stream, bridge, shaper, shift = self._start(request, kind, body, engine, prompt, max_tokens, logprobs, tools)
+        headers = shift.headers() if shift is not None else None
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
             chunks = await self._chunks(request, stream, bridge, shaper, usage)
-            return StreamingResponse(_chat_sse(chunks), media_type="text/event-stream")
+            return StreamingResponse(_chat_sse(chunks), media_type="text/event-stream", headers=headers)
         result = await self._collect(request, stream, bridge)
-        self._remember(shaper.id, body.model, prompt, result.choices)
-        return JSONResponse(shaper.response(result))
+        self._remember(shaper.id, body.model, list(stream.request.prompt), result.choices)  # the tokens computed
+        answer = shaper.response(result)
+        return JSONResponse(answer if shift is None else {**answer, "kvrt": {"context_shift": shift.field()}},
+                            headers=headers)
 
     def _start(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
                max_tokens: int | None, logprobs: int | None,
-               tools: ToolPlan | None) -> tuple[RequestStream, Bridge, Shaper]:
-        """Submit ``body``'s request for ``prompt``: its event stream, the bridge that wakes its reader, and the
-        shaper of its answer."""
+               tools: ToolPlan | None) -> tuple[RequestStream, Bridge, Shaper, ContextShift | None]:
+        """Submit ``body``'s request for ``prompt`` (shifted to fit, under the shift policy): its event stream, the
+        bridge that wakes its reader, the shaper of its answer, and the shift (``None``: the prompt as given)."""
+        shift = None
+        if self.context_policy == "shift":
+            prompt, shift = shift_prompt(prompt, engine.config, n=body.n, max_tokens=max_tokens or
+                                         self.default_max_tokens, keep=self.keep_tokens)
         try:
             job = engine_request(body, prompt, n_cells=engine.n_cells, n_vocab=engine.model.n_vocab,
                                  max_tokens=max_tokens, default_max_tokens=self.default_max_tokens, logprobs=logprobs,
@@ -504,7 +517,7 @@ class OpenAIServer:
         shaper = Shaper(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), body.model, engine.model, job.n,
                         logprobs is not None, tokens=kind == "text" and body.return_tokens,
                         tools=tools.names if tools is not None else None)
-        return stream, bridge, shaper
+        return stream, bridge, shaper, shift
 
     def _submit(self, engine: Engine, submit: Callable[[], RequestStream], job: Request | None,
                 grammar_field: str = "response_format") -> RequestStream:
