@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 LLAMA_VERSION=${LLAMA_VERSION:-0.3.36}
 PY=${DEVICE_PYTHON_VERSION:-3.12}
 carry=.gpu-carry
-mkdir -p "$carry/wheels"
+mkdir -p "$carry"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
@@ -37,8 +37,13 @@ platforms+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 serve=("fastapi==0.165.0" "starlette==1.10.0" "pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types"
        "annotated-doc" "typing-inspection" "typing-extensions>=4.16" "uvicorn==0.55.0" "opentelemetry-api" "h11"
        "click" "anyio" "idna" "sniffio" "prometheus-client")
+# into a new folder that then replaces the old one: a package released since the last run would
+# otherwise leave two versions of itself there (two idna wheels made the device's pip refuse both)
+mkdir -p "$work/wheels"
 for req in "cffi>=1.16" "pycparser" "gguf==0.19.0" "diskcache==5.6.3" "${serve[@]}" "py-spy"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PY" --implementation cp \
-    "${platforms[@]}" --platform any -d "$carry/wheels" "$req"
+    "${platforms[@]}" --platform any -d "$work/wheels" "$req"
 done
+rm -rf "$carry/wheels"
+mv "$work/wheels" "$carry/wheels"
 du -sh "$carry"/* | sed 's/^/  /'
