@@ -5,7 +5,8 @@ thread that repeats :meth:`Engine.step`:
 
 1. hooks and housekeeping: ``before_step()`` (e.g. growing the context), commands
    from other threads (unpin), cancelled and expired requests end;
-2. admission: waiting requests, first come first served, get slots; the longest
+2. admission: waiting requests, round robin by agent (:mod:`kvrt.engine.fair_queue`; first
+   come first served among one agent's or anonymous ones), get slots; the longest
    token prefix any slot already holds is shared with ``seq_cp`` (the prefix cache of
    :mod:`kvrt.engine.prefix_cache`), so only the rest of the prompt is prefilled;
 3. one :class:`kvrt.engine.batch.Batch`: the last sampled token of every decoding choice,
@@ -52,10 +53,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from kvrt.engine.admission import EngineConfig, Pending, check_fits, check_in_vocabulary, fits_a_slot, place
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.decode_step import Feed, fill, greedy_picks
+from kvrt.engine.fair_queue import FairQueue
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.host_tier import HostMemory, HostTier, numpy_memory
 from kvrt.engine.live import Choice, Live
@@ -137,7 +141,7 @@ class Engine:
             self.ctx.close()
             raise
         self._lock = threading.Lock()
-        self._queue: deque[Pending] = deque()
+        self._queue = FairQueue()
         self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._live: list[Live] = []
         self._pins: dict[str, int] = {}
@@ -190,6 +194,31 @@ class Engine:
             raise RequestTooLarge(f"a pin of {len(request.prompt)} tokens exceeds a slot's {limit} cells")
         check_in_vocabulary(request, self.model.n_vocab)
         return self._enqueue(Pending(self._stream("pin", request, notify), [], pin=True))
+
+    def preload(self, tokens: Sequence[int], state: np.ndarray, *, owner: str | None = None,
+                check: Callable[[Context], None] | None = None) -> Future[bool]:
+        """Put ``state`` (llama.cpp's sequence state, ``llama_state_seq_get_data`` bytes, of a sequence holding
+        exactly ``tokens``) into the host tier as ``owner``'s history, as if a slot holding it had been evicted:
+        the next request whose prompt starts with ``tokens`` restores it instead of prefilling them. On the worker:
+        ``check(ctx)`` first, raising (into the future) when the context cannot take the state. The future says
+        whether the tier kept it (False without a host tier, or larger than it); ``state`` is copied before it
+        resolves."""
+        tokens = tuple(int(t) for t in tokens)
+        data = np.asarray(state, dtype=np.uint8).reshape(-1)
+
+        def put() -> bool:
+            if check is not None:
+                check(self.ctx)
+            host = self.cache.host
+            if host is None or not tokens:
+                return False
+
+            def write(view: np.ndarray) -> int:
+                view[:data.size] = data
+                return int(data.size)
+            return host.keep(tokens, int(data.size), write, owner=owner)
+
+        return self._call(put)
 
     def unpin(self, pin_id: str) -> Future[bool]:
         """Let a pinned prefix be evicted again; the future says whether ``pin_id`` was pinned."""
@@ -332,9 +361,9 @@ class Engine:
         """Waiting requests become live, in order, while slots and cells allow."""
         while True:
             with self._lock:
-                if not self._queue:
-                    return
-                pending = self._queue[0]
+                pending = self._queue.head()
+            if pending is None:
+                return
             try:
                 if not self._layout_fits(pending):
                     return
@@ -344,13 +373,13 @@ class Engine:
                 live = place(self.cache, self.model, pending, reserved, coming)
             except RequestTooLarge as exc:
                 with self._lock:
-                    self._queue.popleft()
+                    self._queue.take(pending)
                 pending.end("error", exc)
                 continue
             if live is None:
                 return
             with self._lock:
-                self._queue.popleft()
+                self._queue.take(pending)
             self._reused += live.reused
             self._restored += live.restored
             self._live.append(live)
@@ -508,7 +537,9 @@ class Engine:
                 self.config = replace(self.config, kv_layout="unified")
                 return
             with self._lock:
-                pending = self._queue.popleft() if self._queue else None
+                pending = self._queue.head()
+                if pending is not None:
+                    self._queue.take(pending)
             if pending is not None:
                 pending.end("error", RequestTooLarge(f"the request needs more than a slot's {self.cache.slot_cells} "
                                                      f"cells, and the context could not be made unified: {exc}"))
@@ -550,7 +581,20 @@ class Engine:
             return
         live.ended = True
         self._live.remove(live)
+        if error is None and live.request.at_end is not None and not live.pin:
+            self._hand_state(live, live.request.at_end)
         live.stream.push(live.end_event(error))
+
+    def _hand_state(self, live: Live, at_end: Callable[[Context, int, tuple[int, ...]], None]) -> None:
+        """``at_end`` of a request of one choice that finished normally gets its slot, settled and holding exactly
+        the tokens given, before the request's end is pushed (see :class:`Request`)."""
+        choice = live.choices[0] if len(live.choices) == 1 else None
+        if choice is None or choice.finish_reason not in ("eog", "stop", "length") or self.cache.unsettled(choice.slot):
+            return
+        try:
+            at_end(self.ctx, choice.slot, tuple(self.cache.tokens(choice.slot)))
+        except Exception:
+            log.exception("the at_end hook of request %s failed", live.stream.id)
 
     def _fail_all(self, error: KvrtError, *, queued: bool = True) -> None:
         with self._lock:

@@ -7,7 +7,8 @@ restore puts the same KV back that was evicted.
 
 The tier's memory is one :class:`HostArena` of ``capacity_bytes``, taken once when the
 tier is made: an entry is a piece of it, and entries least recently used leave until a
-new one finds room. Why one arena: entries come and go in every size, and pinning memory
+new one finds room, those of no agent first (an entry keeps the agent that owned its slot).
+Why one arena: entries come and go in every size, and pinning memory
 for each (``cudaHostAlloc``, the memory a GPU reads at the PCIe limit) costs more than
 the copy into it; it ran inside admission, on the engine's step. Where the arena lives is
 the caller's choice: plain NumPy memory by default (pages committed as they are first
@@ -115,12 +116,14 @@ class ArenaPiece:
 @dataclass(frozen=True)
 class HostEntry:
     """A host copy of one slot's sequence state, holding exactly ``tokens``: the first ``nbytes`` of ``piece``;
-    its first ``cold`` positions were computed as a cold prefill computes them (:mod:`kvrt.engine.prefix_cache`)."""
+    its first ``cold`` positions were computed as a cold prefill computes them (:mod:`kvrt.engine.prefix_cache`);
+    ``owner``: the agent whose history it is (``None``: anonymous)."""
 
     tokens: tuple[int, ...]
     piece: ArenaPiece
     nbytes: int
     cold: int = 0
+    owner: str | None = None
 
     @property
     def state(self) -> np.ndarray:
@@ -161,10 +164,12 @@ class HostTier:
     def worth_keeping(self, n_tokens: int) -> bool:
         return n_tokens >= self.min_tokens and self.capacity_bytes > 0
 
-    def keep(self, tokens: Sequence[int], nbytes: int, write: Callable[[np.ndarray], int], *, cold: int = 0) -> bool:
-        """Keep the state of exactly ``tokens`` (the first ``cold`` computed cold): ``write(view)`` fills ``nbytes``
-        of host memory and returns the bytes it wrote. Least recently used entries leave until the copy finds
-        room; False when it never can (larger than the tier). ``write``'s exception propagates, leaving the tier
+    def keep(self, tokens: Sequence[int], nbytes: int, write: Callable[[np.ndarray], int], *, cold: int = 0,
+             owner: str | None = None) -> bool:
+        """Keep the state of exactly ``tokens`` (the first ``cold`` computed cold; ``owner``'s history, or
+        anonymous): ``write(view)`` fills ``nbytes`` of host memory and returns the bytes it wrote. Least recently
+        used entries leave until the copy finds room, anonymous ones before agents'; False when it never can
+        (larger than the tier). ``write``'s exception propagates, leaving the tier
         without the copy."""
         if piece_size(nbytes) > self.capacity_bytes:
             return False
@@ -174,7 +179,7 @@ class HostTier:
             self._drop(old)  # the new copy holds all of it
         piece = self._arena.alloc(nbytes)
         while piece is None and self._entries:
-            self._drop(next(iter(self._entries)))
+            self._drop(next((k for k, e in self._entries.items() if e.owner is None), next(iter(self._entries))))
             piece = self._arena.alloc(nbytes)
         if piece is None:  # only entries hold pieces, so an empty tier's arena is one free run: a bug if reached
             raise KvrtError(f"host tier: no room for {nbytes} bytes with every entry dropped "
@@ -184,7 +189,7 @@ class HostTier:
         except BaseException:
             piece.release()
             raise
-        self._entries[key] = HostEntry(key, piece, written, cold)
+        self._entries[key] = HostEntry(key, piece, written, cold, owner)
         self._keys[key] = np.asarray(key, dtype=np.int64)
         self.nbytes += written
         self._kept += 1

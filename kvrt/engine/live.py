@@ -87,10 +87,11 @@ class Live:
         return [self.slot] if self.pin else [c.slot for c in self.choices]
 
     def finish(self, choice: Choice, reason: str, cache: PrefixCache) -> None:
-        """One choice is over: its slot's cells stay cached, its sampler is freed, its end is streamed."""
+        """One choice is over: its slot's cells stay cached (its request's agent's), its sampler is freed, its end
+        is streamed."""
         choice.finish_reason, choice.pending = reason, None
         choice.sampler.close()
-        cache.release(choice.slot)
+        cache.release(choice.slot, owner=self.request.agent)
         self.stream.push(ChoiceEnd(choice.index, reason, choice.stream.text, tuple(choice.stream.tokens),
                                    choice.rest(), choice.ended_by))
 

@@ -13,7 +13,9 @@ A context has ``n_seq_max`` slots (llama.cpp sequences) laid out one of two ways
 Every slot is ``free`` (holds nothing), ``active`` (a running sequence writes into it)
 or ``cached`` (a finished sequence left its cells there, so a later request that starts
 with the same tokens needs to prefill only the rest). Cached slots are evicted least
-recently used first; a ``pinned`` slot is cached and never evicted.
+recently used first, those no agent owns before any agent's (a cached slot is owned by the
+agent whose request left it, :attr:`kvrt.engine.requests.Request.agent`: an agent's history
+outlives anonymous prefixes); a ``pinned`` slot is cached and never evicted.
 
 :class:`PrefixCache` is the only code that changes the context's memory for the
 engine, and it mirrors each change exactly: a decoded row makes one new cell, a shared
@@ -123,6 +125,7 @@ class PrefixCache:
         self._refs: Counter[int] = Counter()
         self._next_cell = 0
         self._lru: OrderedDict[int, None] = OrderedDict()  # unpinned cached slots, least recently used first
+        self._owner: list[str | None] = [None] * self.n_slots  # the agent whose history a slot holds
 
     # -- queries ----------------------------------------------------------------------
     @property
@@ -167,9 +170,15 @@ class PrefixCache:
     def has_free_slot(self) -> bool:
         return "free" in self.state
 
-    def next_victim(self) -> int | None:
-        """The cached slot :meth:`claim` would evict first (least recently used, unpinned), if any."""
-        return next(iter(self._lru), None)
+    def owner(self, slot: int) -> str | None:
+        """The agent whose history the slot holds (``None``: anonymous, or free)."""
+        return self._owner[slot]
+
+    def next_victim(self, avoid: int | None = None) -> int | None:
+        """The cached slot :meth:`claim` would evict first, if any: unpinned, the least recently used of those no
+        agent owns, else the least recently used agent's (``avoid``: never that one)."""
+        candidates = [s for s in self._lru if s != avoid]
+        return next((s for s in candidates if self._owner[s] is None), candidates[0] if candidates else None)
 
     def available_slots(self) -> int:
         """Slots a new request could claim: free, or cached and not pinned."""
@@ -191,11 +200,11 @@ class PrefixCache:
 
     # -- changes (each mirrors one llama.cpp memory call) ------------------------------
     def claim(self, avoid: int | None = None) -> int | None:
-        """An empty slot made active: a free one, else the least recently used unpinned cached slot
-        other than ``avoid`` emptied; ``None`` when there is none."""
+        """An empty slot made active: a free one, else the unpinned cached slot :meth:`next_victim` names
+        (other than ``avoid``) emptied; ``None`` when there is none."""
         slot = next((s for s in range(self.n_slots) if self.state[s] == "free"), None)
         if slot is None:
-            slot = next((s for s in self._lru if s != avoid), None)
+            slot = self.next_victim(avoid)
             if slot is None:
                 return None
             self.evict(slot)
@@ -243,6 +252,11 @@ class PrefixCache:
         elif complete:
             self.copy_prefix(src, dst, 0, p1)
 
+    def unsettled(self, slot: int) -> bool:
+        """Whether a stream copy the next decode does reads or writes the slot (its device data is not the
+        mirror's yet)."""
+        return slot in self._unsettled
+
     def settled(self) -> None:
         """A decode succeeded: llama.cpp has done every pending stream copy."""
         self._unsettled.clear()
@@ -272,10 +286,12 @@ class PrefixCache:
         self._tokens[slot].truncate(keep)
         self._cold[slot] = min(self._cold[slot], keep)
 
-    def release(self, slot: int) -> None:
-        """An active slot's sequence is done: its cells stay cached for later prefixes (most recently used)."""
+    def release(self, slot: int, *, owner: str | None = None) -> None:
+        """An active slot's sequence is done: its cells stay cached for later prefixes (most recently used), as
+        ``owner``'s history (``None``: anonymous)."""
         if self.state[slot] != "active":
             raise KvrtError(f"slot {slot} is {self.state[slot]}, not active")
+        self._owner[slot] = owner
         if not len(self._tokens[slot]):
             self.state[slot] = "free"
             return
@@ -321,15 +337,17 @@ class PrefixCache:
         self._cells[slot].clear()
         self._tokens[slot].truncate(0)
         self._cold[slot] = 0
+        self._owner[slot] = None
         self.state[slot] = "free"
 
     def evict_until(self, free_cells: int) -> bool:
         """Evict least recently used unpinned cached slots until ``free_cells`` cells are free (split: every
         slot has its own cells, so there is nothing to free for another)."""
         while self.shared and self.n_cells - self.used_cells < free_cells:
-            if not self._lru:
+            victim = self.next_victim()
+            if victim is None:
                 return False
-            self.evict(next(iter(self._lru)))
+            self.evict(victim)
         return True
 
     def evict_all(self) -> int:
@@ -358,7 +376,8 @@ class PrefixCache:
             return
         try:
             self.host.keep(self.tokens(slot), self.ctx.seq_state_size(slot),
-                           lambda view: self.ctx.seq_state_get(slot, view), cold=self._cold[slot])
+                           lambda view: self.ctx.seq_state_get(slot, view), cold=self._cold[slot],
+                           owner=self._owner[slot])
         except KvrtError as exc:  # e.g. a sliding-window cache that no longer holds the whole prefix
             log.debug("slot %d not copied to the host tier: %s", slot, exc)
 
