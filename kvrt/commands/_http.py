@@ -25,7 +25,9 @@ at http://HOST:PORT/v1. Each model gets one llama.cpp context whose sequences ar
 together, one batch per step, so many requests share the machine; a prompt that starts like an
 earlier one reuses that one's cached cells and only the rest is computed. kvrt's own routes:
 /v1/kvrt/pins (keep a prefix cached), /v1/kvrt/fork (continue an earlier completion),
-/v1/kvrt/stats; operators get /health (open even with --api-key), /metrics (Prometheus),
+/v1/kvrt/stats; a request names its agent by the X-Kvrt-Agent header or OpenAI's user field, and an agent's
+history is kept between its turns (with --state-dir, in DIR/http: saved before each turn is answered and
+restored after a restart); operators get /health (open even with --api-key), /metrics (Prometheus),
 /tokenize and /detokenize. A model's name is its file name without .gguf. Every option can
 also be set by the environment variable named beside it (KVRT_<OPTION>); the command line wins."""
 
@@ -114,6 +116,7 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
     from kvrt.engine.admission import EngineConfig
     from kvrt.engine.batching import Engine
     from kvrt.modelfiles.demo_model import demo_model_path
+    from kvrt.serve.http_agents import AgentBook
     from kvrt.serve.openai_server import OpenAIServer
     from kvrt.state.hostpool import host_memory
 
@@ -125,6 +128,7 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
     config = EngineConfig(n_ctx=args.n_ctx, n_seq_max=args.slots, n_batch=args.n_batch,
                           prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
                           flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout)
+    agents = AgentBook(getattr(args, "state_dir", None))  # a state dir another process holds: refused before loading
     engines: dict[str, Engine] = {}
     leases: list[tuple[LoadedModel, Reservation]] = []
     try:
@@ -137,12 +141,14 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
                 registry.release(entry)
                 raise
             engines[name] = Engine(entry.model, config, host_memory=host_memory)  # pinned on a GPU
+        agents.verify(engines)
         server = OpenAIServer(engines, default_max_tokens=args.max_tokens,
                               request_timeout_s=getattr(args, "request_timeout_s", None),
                               max_input_bytes=args.max_input_bytes, api_key=args.api_key,
-                              sse_keepalive_s=args.sse_keepalive_s, exact_prefix=args.exact_prefix)
+                              sse_keepalive_s=args.sse_keepalive_s, exact_prefix=args.exact_prefix, agents=agents)
         address = server.start(host_name, port)  # an address it cannot listen on: KvrtError, one line
     except BaseException:
         _free(registry, engines, leases)
+        agents.close()
         raise
     return HttpFront(server, address, registry, engines, leases)

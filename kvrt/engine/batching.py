@@ -204,19 +204,11 @@ class Engine:
         whether the tier kept it (False without a host tier, or larger than it); ``state`` is copied before it
         resolves."""
         tokens = tuple(int(t) for t in tokens)
-        data = np.asarray(state, dtype=np.uint8).reshape(-1)
 
         def put() -> bool:
             if check is not None:
                 check(self.ctx)
-            host = self.cache.host
-            if host is None or not tokens:
-                return False
-
-            def write(view: np.ndarray) -> int:
-                view[:data.size] = data
-                return int(data.size)
-            return host.keep(tokens, int(data.size), write, owner=owner)
+            return self.cache.host is not None and self.cache.host.keep_bytes(tokens, state, owner=owner)
 
         return self._call(put)
 
@@ -581,20 +573,9 @@ class Engine:
             return
         live.ended = True
         self._live.remove(live)
-        if error is None and live.request.at_end is not None and not live.pin:
-            self._hand_state(live, live.request.at_end)
+        if error is None:
+            live.hand_state(self.ctx, self.cache)
         live.stream.push(live.end_event(error))
-
-    def _hand_state(self, live: Live, at_end: Callable[[Context, int, tuple[int, ...]], None]) -> None:
-        """``at_end`` of a request of one choice that finished normally gets its slot, settled and holding exactly
-        the tokens given, before the request's end is pushed (see :class:`Request`)."""
-        choice = live.choices[0] if len(live.choices) == 1 else None
-        if choice is None or choice.finish_reason not in ("eog", "stop", "length") or self.cache.unsettled(choice.slot):
-            return
-        try:
-            at_end(self.ctx, choice.slot, tuple(self.cache.tokens(choice.slot)))
-        except Exception:
-            log.exception("the at_end hook of request %s failed", live.stream.id)
 
     def _fail_all(self, error: KvrtError, *, queued: bool = True) -> None:
         with self._lock:

@@ -197,6 +197,15 @@ class HostTier:
         self._keep_s += time.perf_counter() - t0
         return True
 
+    def keep_bytes(self, tokens: Sequence[int], state: np.ndarray, *, owner: str | None = None) -> bool:
+        """:meth:`keep` of a state already in host memory (``state``: its bytes, copied; nothing computed cold)."""
+        data = np.asarray(state, dtype=np.uint8).reshape(-1)
+
+        def write(view: np.ndarray) -> int:
+            view[:data.size] = data
+            return int(data.size)
+        return bool(tokens) and self.keep(tokens, int(data.size), write, owner=owner)
+
     def longest(self, tokens: TokenIds, *, cold_unit: int = 0) -> tuple[HostEntry | None, int]:
         """The entry sharing the longest prefix with ``tokens``, and the length shared (marked recently used).
         With ``cold_unit``, only the part an entry holds computed cold counts, in whole units of that many."""

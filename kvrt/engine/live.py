@@ -9,16 +9,20 @@ logits row and then decodes one token per engine step in its own slot.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvrt.engine.context import Context
 from kvrt.engine.generation import SequenceStream
 from kvrt.engine.prefix_cache import PrefixCache
 from kvrt.engine.requests import ChoiceEnd, Request, RequestEnd, RequestStream, TokenEvent, token_logprobs
 from kvrt.engine.sampling import Sampler
 from kvrt.errors import KvrtError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -126,6 +130,20 @@ class Live:
         """The request's last event: its token counts, and the error that ended it."""
         completion = sum(len(c.stream.tokens) for c in self.choices)
         return RequestEnd(len(self.prompt), self.reused, completion, error)
+
+    def hand_state(self, ctx: Context, cache: PrefixCache) -> None:
+        """``Request.at_end`` of a request of one choice that finished normally gets its slot, settled and holding
+        exactly the tokens given, before the request's end is pushed (see :class:`Request`); an exception it
+        raises is logged."""
+        at_end = self.request.at_end
+        choice = self.choices[0] if len(self.choices) == 1 and not self.pin else None
+        if (at_end is None or choice is None or choice.finish_reason not in ("eog", "stop", "length")
+                or cache.unsettled(choice.slot)):
+            return
+        try:
+            at_end(ctx, choice.slot, tuple(cache.tokens(choice.slot)))
+        except Exception:
+            log.exception("the at_end hook of request %s failed", self.stream.id)
 
     def pickers(self, choice: Choice | None) -> list[Choice]:
         """The choices that sample a row: a decode token's own choice, or every choice once the prompt is in."""
