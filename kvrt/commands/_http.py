@@ -24,7 +24,9 @@ at http://HOST:PORT/v1. Each model gets one llama.cpp context whose sequences ar
 together, one batch per step, so many requests share the machine; a prompt that starts like an
 earlier one reuses that one's cached cells and only the rest is computed. kvrt's own routes:
 /v1/kvrt/pins (keep a prefix cached), /v1/kvrt/fork (continue an earlier completion),
-/v1/kvrt/stats; operators get /health (open even with --api-key), /metrics (Prometheus),
+/v1/kvrt/stats; a request names its agent by the X-Kvrt-Agent header or OpenAI's user field, and an agent's
+history is kept between its turns (with --state-dir, in DIR/http: saved before each turn is answered and
+restored after a restart); operators get /health (open even with --api-key), /metrics (Prometheus),
 /tokenize and /detokenize. A model's name is its file name without .gguf. With --models-dir every GGUF there
 is listed (loaded or not) and loaded on a request's demand, the least recently used idle models unloaded to make
 room in the ledger (HTTP 507 with the ledger's numbers when even that is not enough); POST
@@ -111,6 +113,7 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
     demand, and serve them on ``--http`` from a background thread."""
     from kvrt.modelfiles.demo_model import demo_model_path
     from kvrt.runtime.admission import EngineConfig
+    from kvrt.serve.http_agents import AgentBook
     from kvrt.serve.model_pool import ModelPool
     from kvrt.serve.openai_server import OpenAIServer
 
@@ -123,19 +126,22 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
     config = EngineConfig(n_ctx=args.n_ctx, n_seq_max=args.slots, n_batch=args.n_batch,
                           prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
                           flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout)
+    agents = AgentBook(getattr(args, "state_dir", None))  # a state dir another process holds: refused before loading
     pool = ModelPool(registry, config, models=dict(zip(names, paths)), models_dir=models_dir)
     try:
         if not pool.names():
             raise KvrtError(f"--models-dir {models_dir}: no *.gguf files there, and no --model given")
         for name in names:
             pool.preload(name)
+        agents.verify(pool.paths(), pool.engines)
         server = OpenAIServer(pool, default_max_tokens=args.max_tokens,
                               request_timeout_s=getattr(args, "request_timeout_s", None),
                               max_input_bytes=args.max_input_bytes, api_key=args.api_key,
                               sse_keepalive_s=args.sse_keepalive_s, exact_prefix=args.exact_prefix,
-                              context_policy=args.context_policy, keep_tokens=args.keep_tokens)
+                              context_policy=args.context_policy, keep_tokens=args.keep_tokens, agents=agents)
         address = server.start(host_name, port)  # an address it cannot listen on: KvrtError, one line
     except BaseException:
         pool.close()
+        agents.close()
         raise
     return HttpFront(server, address, pool)

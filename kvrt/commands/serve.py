@@ -76,7 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-dir", default=None,
                         help="keep agents across restarts: their state is saved here (on swap-out and at shutdown) "
                              "and restored at start (with --batch-slots: registrations and transcripts, the KV "
-                             "recomputed on each agent's first turn)")
+                             "recomputed on each agent's first turn); --http: agents named by X-Kvrt-Agent or user "
+                             "are saved in DIR/http (KV and transcript) before each turn is answered, and restored on "
+                             "each agent's first turn after a restart")
     parser.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
                         help="per-agent contexts: restore the agent queued next while the current one decodes "
                              "(--no-prefetch: every swap-in is a synchronous restore at the start of its turn)")
@@ -215,9 +217,12 @@ class _Fronts:
         return True
 
     def unsaved(self) -> dict[str, str]:
-        """Agents of the socket front whose state could not be saved, with the reason."""
+        """Agents whose state could not be saved, with the reason (the HTTP front's named ``http:AGENT``)."""
         store = self.daemon.scheduler.store if self.daemon is not None else None
-        return dict(store.unsaved) if store is not None else {}
+        unsaved = dict(store.unsaved) if store is not None else {}
+        if self.http is not None:
+            unsaved |= {f"http:{agent}": reason for agent, reason in self.http.server.agents.unsaved.items()}
+        return unsaved
 
 
 def _stop_within(fronts: _Fronts, timeout_s: float, signals: _Signals) -> bool:

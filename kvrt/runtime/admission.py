@@ -234,7 +234,7 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
             return None
     if cache.available_slots() < slots_needed:
         return None
-    first, continued = _first_slot(cache, src, m)
+    first, continued = _first_slot(cache, src, m, request.agent)
     restored = 0
     if src is not None and not continued:
         cache.copy_prefix(src, first, 0, m)
@@ -253,20 +253,23 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
     return live
 
 
-def _first_slot(cache: PrefixCache, src: int | None, m: int) -> tuple[int, bool]:
+def _first_slot(cache: PrefixCache, src: int | None, m: int, agent: str | None) -> tuple[int, bool]:
     """The slot a request's first choice runs in, and whether it continues ``src`` (sharing ``m`` positions) in place.
 
     A cached, unpinned source is continued when the request extends all of it (a
     conversation's next turn), or when no slot is free and either the request keeps at
     least half of it (its own history with a changed ending, llama-server's
     slot-similarity rule: claiming another slot would evict some other conversation for
-    nothing) or the source is the least recently used slot, the one a claim would evict.
-    Otherwise a free slot, or the least recently used cached one other than the source,
+    nothing) or the source is the slot a claim would evict, unless the source is another
+    agent's history (``agent``: the request's): then only extending all of it continues it.
+    Otherwise a free slot, or the cached one a claim evicts (other than the source),
     gets a copy of the prefix, and the source stays as it was for whoever shares it.
     """
     if src is not None and cache.reusable(src):
         held = cache.held(src)
-        if m == held or (not cache.has_free_slot() and (2 * m >= held or cache.next_victim() == src)):
+        foreign = cache.owner(src) not in (None, agent)  # cutting it would lose that agent's history
+        if m == held or (not foreign and not cache.has_free_slot()
+                         and (2 * m >= held or cache.next_victim() == src)):
             cache.take_over(src, m)
             return src, True
     first = cache.claim(avoid=src)

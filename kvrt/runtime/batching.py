@@ -5,7 +5,8 @@ thread that repeats :meth:`Engine.step`:
 
 1. hooks and housekeeping: ``before_step()`` (e.g. growing the context), commands
    from other threads (unpin), cancelled and expired requests end;
-2. admission: waiting requests, first come first served, get slots; the longest
+2. admission: waiting requests, round robin by agent (:mod:`kvrt.runtime.fair_queue`; first
+   come first served among one agent's or anonymous ones), get slots; the longest
    token prefix any slot already holds is shared with ``seq_cp`` (the prefix cache of
    :mod:`kvrt.runtime.prefix_cache`), so only the rest of the prompt is prefilled;
 3. one :class:`kvrt.engine.batch.Batch`: the last sampled token of every decoding choice,
@@ -52,6 +53,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.decode_step import Feed, fill, greedy_picks
@@ -61,6 +64,7 @@ from kvrt.engine.sampling import SEEDS, Sampler
 from kvrt.errors import DecodeError, KvrtError
 from kvrt.prefixes import common_prefix
 from kvrt.runtime.admission import EngineConfig, Pending, check_fits, check_in_vocabulary, fits_a_slot, place
+from kvrt.runtime.fair_queue import FairQueue
 from kvrt.runtime.host_tier import HostMemory, HostTier
 from kvrt.runtime.live import Choice, Live
 from kvrt.runtime.prefix_cache import PrefixCache
@@ -140,7 +144,7 @@ class Engine:
             self.ctx.close()
             raise
         self._lock = threading.Lock()
-        self._queue: deque[Pending] = deque()
+        self._queue = FairQueue()
         self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._live: list[Live] = []
         self._pins: dict[str, int] = {}
@@ -193,6 +197,23 @@ class Engine:
             raise RequestTooLarge(f"a pin of {len(request.prompt)} tokens exceeds a slot's {limit} cells")
         check_in_vocabulary(request, self.model.n_vocab)
         return self._enqueue(Pending(self._stream("pin", request, notify), [], pin=True))
+
+    def preload(self, tokens: Sequence[int], state: np.ndarray, *, owner: str | None = None,
+                check: Callable[[Context], None] | None = None) -> Future[bool]:
+        """Put ``state`` (llama.cpp's sequence state, ``llama_state_seq_get_data`` bytes, of a sequence holding
+        exactly ``tokens``) into the host tier as ``owner``'s history, as if a slot holding it had been evicted:
+        the next request whose prompt starts with ``tokens`` restores it instead of prefilling them. On the worker:
+        ``check(ctx)`` first, raising (into the future) when the context cannot take the state. The future says
+        whether the tier kept it (False without a host tier, or larger than it); ``state`` is copied before it
+        resolves."""
+        tokens = tuple(int(t) for t in tokens)
+
+        def put() -> bool:
+            if check is not None:
+                check(self.ctx)
+            return self.cache.host is not None and self.cache.host.keep_bytes(tokens, state, owner=owner)
+
+        return self._call(put)
 
     def unpin(self, pin_id: str) -> Future[bool]:
         """Let a pinned prefix be evicted again; the future says whether ``pin_id`` was pinned."""
@@ -335,9 +356,9 @@ class Engine:
         """Waiting requests become live, in order, while slots and cells allow."""
         while True:
             with self._lock:
-                if not self._queue:
-                    return
-                pending = self._queue[0]
+                pending = self._queue.head()
+            if pending is None:
+                return
             try:
                 if not self._layout_fits(pending):
                     return
@@ -347,13 +368,13 @@ class Engine:
                 live = place(self.cache, self.model, pending, reserved, coming)
             except RequestTooLarge as exc:
                 with self._lock:
-                    self._queue.popleft()
+                    self._queue.take(pending)
                 pending.end("error", exc)
                 continue
             if live is None:
                 return
             with self._lock:
-                self._queue.popleft()
+                self._queue.take(pending)
             self._reused += live.reused
             self._restored += live.restored
             self._live.append(live)
@@ -511,7 +532,9 @@ class Engine:
                 self.config = replace(self.config, kv_layout="unified")
                 return
             with self._lock:
-                pending = self._queue.popleft() if self._queue else None
+                pending = self._queue.head()
+                if pending is not None:
+                    self._queue.take(pending)
             if pending is not None:
                 pending.end("error", RequestTooLarge(f"the request needs more than a slot's {self.cache.slot_cells} "
                                                      f"cells, and the context could not be made unified: {exc}"))
@@ -553,6 +576,8 @@ class Engine:
             return
         live.ended = True
         self._live.remove(live)
+        if error is None:
+            live.hand_state(self.ctx, self.cache)
         live.stream.push(live.end_event(error))
 
     def _fail_all(self, error: KvrtError, *, queued: bool = True) -> None:

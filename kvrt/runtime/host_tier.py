@@ -7,7 +7,8 @@ restore puts the same KV back that was evicted.
 
 The tier's memory is one :class:`HostArena` of ``capacity_bytes``, taken once when the
 tier is made: an entry is a piece of it, and entries least recently used leave until a
-new one finds room. Why one arena: entries come and go in every size, and pinning memory
+new one finds room, those of no agent first (an entry keeps the agent that owned its slot).
+Why one arena: entries come and go in every size, and pinning memory
 for each (``cudaHostAlloc``, the memory a GPU reads at the PCIe limit) costs more than
 the copy into it; it ran inside admission, on the engine's step. Where the arena lives is
 the caller's choice: plain NumPy memory by default (pages committed as they are first
@@ -111,15 +112,22 @@ class ArenaPiece:
             self._arena = None
 
 
+def owner_priority(owner: str | None) -> int:
+    """An eviction priority (:class:`kvrt.prefixes.Eviction`): an agent's history outlives anonymous prefixes."""
+    return 0 if owner is None else 1
+
+
 @dataclass(frozen=True)
 class HostEntry:
     """A host copy of one slot's sequence state, holding exactly ``tokens``: the first ``nbytes`` of ``piece``;
-    its first ``cold`` positions were computed as a cold prefill computes them (:mod:`kvrt.runtime.prefix_cache`)."""
+    its first ``cold`` positions were computed as a cold prefill computes them (:mod:`kvrt.runtime.prefix_cache`);
+    ``owner``: the agent whose history it is (``None``: anonymous)."""
 
     tokens: tuple[int, ...]
     piece: ArenaPiece
     nbytes: int
     cold: int = 0
+    owner: str | None = None
 
     @property
     def state(self) -> np.ndarray:
@@ -161,10 +169,12 @@ class HostTier:
     def worth_keeping(self, n_tokens: int) -> bool:
         return n_tokens >= self.min_tokens and self.capacity_bytes > 0
 
-    def keep(self, tokens: Sequence[int], nbytes: int, write: Callable[[np.ndarray], int], *, cold: int = 0) -> bool:
-        """Keep the state of exactly ``tokens`` (the first ``cold`` computed cold): ``write(view)`` fills ``nbytes``
-        of host memory and returns the bytes it wrote. Least recently used entries leave until the copy finds
-        room; False when it never can (larger than the tier). ``write``'s exception propagates, leaving the tier
+    def keep(self, tokens: Sequence[int], nbytes: int, write: Callable[[np.ndarray], int], *, cold: int = 0,
+             owner: str | None = None) -> bool:
+        """Keep the state of exactly ``tokens`` (the first ``cold`` computed cold; ``owner``'s history, or
+        anonymous): ``write(view)`` fills ``nbytes`` of host memory and returns the bytes it wrote. Least recently
+        used entries leave until the copy finds room, anonymous ones before agents'; False when it never can
+        (larger than the tier). ``write``'s exception propagates, leaving the tier
         without the copy."""
         if piece_size(nbytes) > self.capacity_bytes:
             return False
@@ -184,13 +194,22 @@ class HostTier:
         except BaseException:
             piece.release()
             raise
-        self._entries.insert(key, HostEntry(key, piece, written, cold))
-        self._eviction.add(key)
+        self._entries.insert(key, HostEntry(key, piece, written, cold, owner))
+        self._eviction.add(key, priority=owner_priority(owner))
         self.nbytes += written
         self._kept += 1
         self._kept_bytes += written
         self._keep_s += time.perf_counter() - t0
         return True
+
+    def keep_bytes(self, tokens: Sequence[int], state: np.ndarray, *, owner: str | None = None) -> bool:
+        """:meth:`keep` of a state already in host memory (``state``: its bytes, copied; nothing computed cold)."""
+        data = np.asarray(state, dtype=np.uint8).reshape(-1)
+
+        def write(view: np.ndarray) -> int:
+            view[:data.size] = data
+            return int(data.size)
+        return bool(tokens) and self.keep(tokens, int(data.size), write, owner=owner)
 
     def longest(self, tokens: TokenIds, *, cold_unit: int = 0) -> tuple[HostEntry | None, int]:
         """The entry sharing the longest prefix with ``tokens``, and the length shared (marked recently used).

@@ -9,16 +9,20 @@ logits row and then decodes one token per engine step in its own slot.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvrt.engine.context import Context
 from kvrt.engine.generation import SequenceStream
 from kvrt.engine.sampling import Sampler
 from kvrt.errors import KvrtError
 from kvrt.runtime.prefix_cache import PrefixCache
 from kvrt.runtime.requests import ChoiceEnd, Request, RequestEnd, RequestStream, TokenEvent, token_logprobs
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,10 +91,11 @@ class Live:
         return [self.slot] if self.pin else [c.slot for c in self.choices]
 
     def finish(self, choice: Choice, reason: str, cache: PrefixCache) -> None:
-        """One choice is over: its slot's cells stay cached, its sampler is freed, its end is streamed."""
+        """One choice is over: its slot's cells stay cached (its request's agent's), its sampler is freed, its end
+        is streamed."""
         choice.finish_reason, choice.pending = reason, None
         choice.sampler.close()
-        cache.release(choice.slot)
+        cache.release(choice.slot, owner=self.request.agent)
         self.stream.push(ChoiceEnd(choice.index, reason, choice.stream.text, tuple(choice.stream.tokens),
                                    choice.rest(), choice.ended_by))
 
@@ -125,6 +130,20 @@ class Live:
         """The request's last event: its token counts, and the error that ended it."""
         completion = sum(len(c.stream.tokens) for c in self.choices)
         return RequestEnd(len(self.prompt), self.reused, completion, error)
+
+    def hand_state(self, ctx: Context, cache: PrefixCache) -> None:
+        """``Request.at_end`` of a request of one choice that finished normally gets its slot, settled and holding
+        exactly the tokens given, before the request's end is pushed (see :class:`Request`); an exception it
+        raises is logged."""
+        at_end = self.request.at_end
+        choice = self.choices[0] if len(self.choices) == 1 and not self.pin else None
+        if (at_end is None or choice is None or choice.finish_reason not in ("eog", "stop", "length")
+                or cache.unsettled(choice.slot)):
+            return
+        try:
+            at_end(ctx, choice.slot, tuple(cache.tokens(choice.slot)))
+        except Exception:
+            log.exception("the at_end hook of request %s failed", self.stream.id)
 
     def pickers(self, choice: Choice | None) -> list[Choice]:
         """The choices that sample a row: a decode token's own choice, or every choice once the prompt is in."""

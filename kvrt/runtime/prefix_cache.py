@@ -13,8 +13,10 @@ A context has ``n_seq_max`` slots (llama.cpp sequences) laid out one of two ways
 Every slot is ``free`` (holds nothing), ``active`` (a running sequence writes into it)
 or ``cached`` (a finished sequence left its cells there, so a later request that starts
 with the same tokens needs to prefill only the rest). Cached slots are evicted least
-recently used first; a ``pinned`` slot is cached and never evicted (:class:`kvrt.prefixes.Eviction`, the
-policy every tier shares).
+recently used first, those no agent owns before any agent's (a cached slot is owned by the
+agent whose request left it, :attr:`kvrt.runtime.requests.Request.agent`: an agent's history
+outlives anonymous prefixes); a ``pinned`` slot is cached and never evicted (:class:`kvrt.prefixes.Eviction`,
+the policy every tier shares, with an agent's slots one priority above anonymous ones).
 
 :class:`PrefixCache` is the only code that changes the context's memory for the
 engine, and it mirrors each change exactly: a decoded row makes one new cell, a shared
@@ -43,16 +45,14 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence, Set
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 
 from kvrt.engine.context import Context
 from kvrt.errors import KvrtError
 from kvrt.prefixes import Eviction, TokenIds, common_prefix
-
-if TYPE_CHECKING:  # the tier calls common_prefix of this module
-    from kvrt.runtime.host_tier import HostEntry, HostTier
+from kvrt.runtime.host_tier import HostEntry, HostTier, owner_priority
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ class PrefixCache:
         self._refs: Counter[int] = Counter()
         self._next_cell = 0
         self._eviction: Eviction[int] = Eviction()  # the cached slots (pinned ones never chosen), LRU first
+        self._owner: list[str | None] = [None] * self.n_slots  # the agent whose history a slot holds
 
     # -- queries ----------------------------------------------------------------------
     @property
@@ -161,9 +162,14 @@ class PrefixCache:
     def has_free_slot(self) -> bool:
         return "free" in self.state
 
-    def next_victim(self) -> int | None:
-        """The cached slot :meth:`claim` would evict first (least recently used, unpinned), if any."""
-        return self._eviction.victim()
+    def owner(self, slot: int) -> str | None:
+        """The agent whose history the slot holds (``None``: anonymous, or free)."""
+        return self._owner[slot]
+
+    def next_victim(self, avoid: int | None = None) -> int | None:
+        """The cached slot :meth:`claim` would evict first, if any: unpinned, the least recently used of those no
+        agent owns, else the least recently used agent's (``avoid``: never that one)."""
+        return self._eviction.victim(avoid=avoid)
 
     def available_slots(self) -> int:
         """Slots a new request could claim: free, or cached and not pinned."""
@@ -185,11 +191,11 @@ class PrefixCache:
 
     # -- changes (each mirrors one llama.cpp memory call) ------------------------------
     def claim(self, avoid: int | None = None) -> int | None:
-        """An empty slot made active: a free one, else the least recently used unpinned cached slot
-        other than ``avoid`` emptied; ``None`` when there is none."""
+        """An empty slot made active: a free one, else the unpinned cached slot :meth:`next_victim` names
+        (other than ``avoid``) emptied; ``None`` when there is none."""
         slot = next((s for s in range(self.n_slots) if self.state[s] == "free"), None)
         if slot is None:
-            slot = self._eviction.victim(avoid=avoid)
+            slot = self.next_victim(avoid)
             if slot is None:
                 return None
             self.evict(slot)
@@ -237,6 +243,11 @@ class PrefixCache:
         elif complete:
             self.copy_prefix(src, dst, 0, p1)
 
+    def unsettled(self, slot: int) -> bool:
+        """Whether a stream copy the next decode does reads or writes the slot (its device data is not the
+        mirror's yet)."""
+        return slot in self._unsettled
+
     def settled(self) -> None:
         """A decode succeeded: llama.cpp has done every pending stream copy."""
         self._unsettled.clear()
@@ -266,15 +277,17 @@ class PrefixCache:
         self._tokens[slot].truncate(keep)
         self._cold[slot] = min(self._cold[slot], keep)
 
-    def release(self, slot: int) -> None:
-        """An active slot's sequence is done: its cells stay cached for later prefixes (most recently used)."""
+    def release(self, slot: int, *, owner: str | None = None) -> None:
+        """An active slot's sequence is done: its cells stay cached for later prefixes (most recently used), as
+        ``owner``'s history (``None``: anonymous)."""
         if self.state[slot] != "active":
             raise KvrtError(f"slot {slot} is {self.state[slot]}, not active")
+        self._owner[slot] = owner
         if not len(self._tokens[slot]):
             self.state[slot] = "free"
             return
         self.state[slot] = "cached"
-        self._eviction.add(slot)
+        self._eviction.add(slot, priority=owner_priority(owner))
 
     def host_prefix(self, tokens: TokenIds, *, cold: bool = False) -> tuple[HostEntry | None, int]:
         """The host copy sharing the longest prefix with ``tokens`` and its length (``(None, 0)`` without a tier;
@@ -314,13 +327,14 @@ class PrefixCache:
         self._cells[slot].clear()
         self._tokens[slot].truncate(0)
         self._cold[slot] = 0
+        self._owner[slot] = None
         self.state[slot] = "free"
 
     def evict_until(self, free_cells: int) -> bool:
         """Evict least recently used unpinned cached slots until ``free_cells`` cells are free (split: every
         slot has its own cells, so there is nothing to free for another)."""
         while self.shared and self.n_cells - self.used_cells < free_cells:
-            victim = self._eviction.victim()
+            victim = self.next_victim()
             if victim is None:
                 return False
             self.evict(victim)
@@ -350,7 +364,8 @@ class PrefixCache:
             return
         try:
             self.host.keep(self.tokens(slot), self.ctx.seq_state_size(slot),
-                           lambda view: self.ctx.seq_state_get(slot, view), cold=self._cold[slot])
+                           lambda view: self.ctx.seq_state_get(slot, view), cold=self._cold[slot],
+                           owner=self._owner[slot])
         except KvrtError as exc:  # e.g. a sliding-window cache that no longer holds the whole prefix
             log.debug("slot %d not copied to the host tier: %s", slot, exc)
 

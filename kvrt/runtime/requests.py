@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams
 from kvrt.errors import KvrtError
 
@@ -58,7 +59,13 @@ class Request:
     logits are the ones a cold prefill of the same prompt by the same engine gives, bit for bit
     (in the split KV layout): a cached prefix is reused only as far as a cold prefill would have
     computed it the same way, and the rest is prefilled in steps of its own (see
-    :func:`kvrt.runtime.admission.place`).
+    :func:`kvrt.runtime.admission.place`). ``agent`` names the conversation the request continues (``None``:
+    anonymous): waiting requests are admitted round robin by agent (:mod:`kvrt.runtime.fair_queue`), and the
+    slot it leaves cached is that agent's, evicted after anonymous prefixes. ``at_end(ctx, slot, tokens)`` runs
+    on the engine's thread when a request of one choice finished without error (eog, stop, length), before its
+    :class:`RequestEnd` is pushed: ``slot`` of ``ctx`` then holds the KV of exactly ``tokens`` (prompt and output
+    but the last sampled token), so a caller can copy the sequence state out (e.g. to save an agent); an
+    exception it raises is logged and the request still ends normally.
     """
 
     prompt: Sequence[int]
@@ -69,6 +76,8 @@ class Request:
     deadline: float | None = None
     after_chunk: Callable[[int, int], None] | None = None
     exact: bool = False
+    agent: str | None = None
+    at_end: Callable[[Context, int, tuple[int, ...]], None] | None = None
     prompt_array: np.ndarray = field(init=False, repr=False, compare=False)  # the prompt as int64, for prefix lookups
 
     def __post_init__(self) -> None:
@@ -80,6 +89,8 @@ class Request:
         object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
             raise EngineError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.agent is not None and not isinstance(self.agent, str):
+            raise EngineError(f"agent must be a string or None, got {self.agent!r}")
         if not isinstance(self.exact, bool):
             raise EngineError(f"exact must be True or False, got {self.exact!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:

@@ -72,7 +72,7 @@ def _restore(sched: BatchedScheduler, record: AgentRecord) -> None:
     policy = record_policy(record)
     entry = sched.registry.acquire(record.model_path)  # checked before anything is registered; held meanwhile
     try:
-        check_model(record, entry)
+        check_model(record, entry.model)
         sched._register(record.agent_id, record.model_path, policy.n_ctx, policy=policy.mode,
                         min_ctx=policy.min_ctx, keep=policy.keep)
     finally:

@@ -172,6 +172,12 @@ class ModelPool:
         with self._lock:
             return sorted(self._paths)
 
+    def paths(self) -> dict[str, Path]:
+        """Every model this pool can serve, name -> its GGUF file."""
+        self._scan()
+        with self._lock:
+            return dict(self._paths)
+
     def is_loaded(self, name: str) -> bool:
         with self._lock:
             return name in self._loaded

@@ -18,9 +18,14 @@ engine's queue is full. kvrt's own routes live under ``/v1/kvrt/``:
     prefix cache finds the earlier cells (no detokenize/retokenize drift);
 ``GET /v1/kvrt/stats``
     every loaded engine's counters (prefilled and reused tokens, slots, cells), and under ``kvrt:models``
-    and ``kvrt:ledger`` every model's state and the VRAM ledger's numbers;
+    ``kvrt:ledger`` and ``kvrt:agents`` every model's state, the VRAM ledger's numbers and the
+    agents' state dir (saved turns, agents waiting to be restored, damaged entries skipped, failed saves);
 ``POST /v1/kvrt/models/{name}/load`` / ``POST /v1/kvrt/models/{name}/unload``
     load or unload a model of the pool (see :mod:`kvrt.serve.model_routes`: on-demand loads, 507, 409).
+
+Agents: a request names its agent by the ``X-Kvrt-Agent`` header or ``user``; its history is kept
+between turns and, with a state dir, saved before each turn is answered and restored after a
+restart (:mod:`kvrt.serve.http_agents`).
 
 ``POST /tokenize`` / ``POST /detokenize`` (llama-server's shapes)
     ``{"content", "add_special", "model"}`` -> ``{"tokens"}`` (special-token text parsed) and
@@ -87,6 +92,7 @@ from kvrt.runtime.requests import (
 from kvrt.serve.api_error import ApiError
 from kvrt.serve.chat_prompt import ToolPlan, chat_prompt, tool_plan, tools_of
 from kvrt.serve.context_policy import ContextShift, check_policy, shift_prompt
+from kvrt.serve.http_agents import HEADER, AgentBook, agent_of
 from kvrt.serve.http_middleware import Observe, RequireKey
 from kvrt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvrt.serve.metrics import RequestRecord, ServerMetrics
@@ -122,6 +128,7 @@ TOKENIZER_THREADS = 2
 DEFAULT_SSE_KEEPALIVE_S = 15.0  # under the 30-60 s idle timeouts of common proxies and load balancers
 log = logging.getLogger("kvrt.serve.http")  # one info line per answered request (kvrt -v serve shows them)
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key (a load balancer's probe has none)
+AGENTS_KEY = "kvrt:agents"  # /v1/kvrt/stats: the agents' entry (the pool reserves "kvrt:" names)
 _T = TypeVar("_T")
 Chunks = AsyncGenerator[dict[str, Any] | None, None]  # a stream's chunks; None: a keep-alive is due
 
@@ -156,13 +163,15 @@ class OpenAIServer:
     (or pin) that sets no ``exact_prefix`` of its own gets (:attr:`kvrt.runtime.requests.Request.exact`).
     ``context_policy`` and ``keep_tokens``: what a prompt longer than a request's cells gets (a 400, or shifted:
     :mod:`kvrt.serve.context_policy`).
+    ``agents`` keeps the agents' turns (:mod:`kvrt.serve.http_agents`; None: identities, nothing saved); the
+    server closes it in :meth:`stop`.
     """
 
     def __init__(self, engines: Mapping[str, Engine] | ModelPool, *, default_max_tokens: int = 512,
                  request_timeout_s: float | None = None, remember: int = 1024,
                  max_input_bytes: int = DEFAULT_MAX_INPUT_BYTES, api_key: str | None = None,
                  sse_keepalive_s: float = DEFAULT_SSE_KEEPALIVE_S, exact_prefix: bool = False,
-                 context_policy: str = "refuse", keep_tokens: int = 1) -> None:
+                 context_policy: str = "refuse", keep_tokens: int = 1, agents: AgentBook | None = None) -> None:
         self.pool = engines if isinstance(engines, ModelPool) else ModelPool.fixed(engines)
         if not self.pool.names():
             raise KvrtError("the OpenAI server needs at least one model")
@@ -178,6 +187,7 @@ class OpenAIServer:
         self._api_key = api_key
         self._tokenizer = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvrt-tokenize")
         self.engines = self.pool.engines  # the loaded ones, a live view
+        self.agents = agents if agents is not None else AgentBook()
         self._loop_waker: Waker | None = None
         self._pieces: dict[str, Future[int]] = {}  # model name -> its longest token's bytes (a vocab pass, lazily)
         self.default_max_tokens = default_max_tokens
@@ -255,19 +265,21 @@ class OpenAIServer:
         body = parse(CompletionBody, await self._json(request))
         if body.echo:
             raise ApiError(400, "echo is not supported by kvrt's server", param="echo", code="unsupported_parameter")
+        agent = self._agent(request, getattr(body, "user", None))
         engine = await self.models.engine(request, body.model)
         limit = await self._limit(body.model, engine)
         prompt = await self._off_loop(lambda: completion_prompt(engine.model, body.prompt, limit=limit))
         return await self._run(request, "text", body, engine, prompt,
-                               body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs)
+                               body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs, agent=agent)
 
     async def chat_completions(self, request: HttpRequest) -> Response:
         body = parse(ChatBody, await self._json(request))
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        agent = self._agent(request, getattr(body, "user", None))
         engine, prompt, plan = await self._chat_prompt(request, body)
         return await self._run(request, "chat", body, engine, prompt, body.max_completion_tokens or body.max_tokens,
-                               (body.top_logprobs or 0) if body.logprobs else None, plan)
+                               (body.top_logprobs or 0) if body.logprobs else None, plan, agent=agent)
 
     async def _chat_prompt(self, request: HttpRequest, body: ChatBody,
                            earlier: ExactTurn | None = None) -> tuple[Engine, list[int], ToolPlan | None]:
@@ -288,13 +300,14 @@ class OpenAIServer:
         raw = await self._json(request)
         if not isinstance(raw, Mapping):
             raise ApiError(400, "the request body must be a JSON object")
+        agent = self._agent(request, raw.get("user"))
         previous = raw.get("previous_response_id")
         earlier = self._stored_response(previous, "previous_response_id") if previous is not None else None
         chat, conversation = chat_request(raw, earlier)
         body = parse(ChatBody, chat)
         engine, prompt, plan = await self._chat_prompt(request, body, earlier.turn if earlier is not None else None)
-        stream, bridge, shaper, shift = self._start(request, "chat", body, engine, prompt, body.max_tokens, None,
-                                                    plan)
+        stream, bridge, shaper, shift = await self._start(request, "chat", body, engine, prompt, body.max_tokens, None,
+                                                    plan, agent)
         headers = shift.headers() if shift is not None else None
         response_id, store = f"resp_{uuid.uuid4().hex}", raw.get("store", True)
         keep = functools.partial(self._store_response, chat, conversation, prompt) if store else None
@@ -357,6 +370,7 @@ class OpenAIServer:
 
     async def fork(self, request: HttpRequest) -> Response:
         body = parse(ForkBody, await self._json(request))
+        agent = self._agent(request, getattr(body, "user", None))
         engine = await self.models.engine(request, body.model)
         earlier = self._outputs.get(body.completion_id)
         if earlier is None:
@@ -373,7 +387,7 @@ class OpenAIServer:
         suffix = await self._off_loop(lambda: text_tokens(engine.model, body.prompt, limit=limit, param="prompt",
                                                           add_special=False, held=held)) if body.prompt else []
         return await self._run(request, "text", body, engine, choices[body.choice] + suffix, body.max_tokens,
-                               body.logprobs)
+                               body.logprobs, agent=agent)
 
     async def pin(self, request: HttpRequest) -> dict[str, Any]:
         body = parse(PinBody, await self._json(request))
@@ -409,7 +423,7 @@ class OpenAIServer:
 
     async def stats(self) -> dict[str, Any]:
         engines = {name: asdict(engine.stats()) for name, engine in self.engines.items()}
-        return {**engines, **self.models.stats()}
+        return {**engines, **self.models.stats(), AGENTS_KEY: self.agents.describe()}
 
     async def tokenize(self, request: HttpRequest) -> dict[str, Any]:
         body = parse(TokenizeBody, await self._json(request))
@@ -476,9 +490,15 @@ class OpenAIServer:
         check_json(body)
         return body
 
+    def _agent(self, request: HttpRequest, user: Any) -> str | None:
+        """The agent ``request`` names (header or ``user``; see :func:`kvrt.serve.http_agents.agent_of`)."""
+        return agent_of(request.headers.get(HEADER), user)
+
     async def _run(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
-                   max_tokens: int | None, logprobs: int | None, tools: ToolPlan | None = None) -> Response:
-        stream, bridge, shaper, shift = self._start(request, kind, body, engine, prompt, max_tokens, logprobs, tools)
+                   max_tokens: int | None, logprobs: int | None, tools: ToolPlan | None = None, *,
+                   agent: str | None = None) -> Response:
+        stream, bridge, shaper, shift = await self._start(request, kind, body, engine, prompt, max_tokens, logprobs,
+                                                          tools, agent)
         headers = shift.headers() if shift is not None else None
         if body.stream:
             usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -490,11 +510,13 @@ class OpenAIServer:
         return JSONResponse(answer if shift is None else {**answer, "kvrt": {"context_shift": shift.field()}},
                             headers=headers)
 
-    def _start(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
-               max_tokens: int | None, logprobs: int | None,
-               tools: ToolPlan | None) -> tuple[RequestStream, Bridge, Shaper, ContextShift | None]:
-        """Submit ``body``'s request for ``prompt`` (shifted to fit, under the shift policy): its event stream, the
-        bridge that wakes its reader, the shaper of its answer, and the shift (``None``: the prompt as given)."""
+    async def _start(self, request: HttpRequest, kind: Kind, body: Any, engine: Engine, prompt: list[int],
+                     max_tokens: int | None, logprobs: int | None, tools: ToolPlan | None,
+                     agent: str | None = None) -> tuple[RequestStream, Bridge, Shaper, ContextShift | None]:
+        """Submit ``body``'s request for ``prompt`` (shifted to fit, under the shift policy; ``agent``'s turn: its
+        saved history restored first, the turn saved before it is answered, see :mod:`kvrt.serve.http_agents`):
+        its event stream, the bridge that wakes its reader, the shaper of its answer, and the shift (``None``: the
+        prompt as given)."""
         shift = None
         if self.context_policy == "shift":
             prompt, shift = shift_prompt(prompt, engine.config, n=body.n, max_tokens=max_tokens or
@@ -504,15 +526,19 @@ class OpenAIServer:
                                  max_tokens=max_tokens, default_max_tokens=self.default_max_tokens, logprobs=logprobs,
                                  grammar=tools.grammar if tools is not None else None,
                                  exact_prefix=self.exact_prefix)
+            turn = self.agents.turn(agent, engine, job.n)
+            job = replace(job, agent=agent, at_end=turn.capture if turn is not None else None)
             if self.request_timeout_s is not None:
                 job = replace(job, deadline=time.monotonic() + self.request_timeout_s)
         except KvrtError as exc:
             raise ApiError(400, str(exc)) from None
+        await asyncio.to_thread(self.agents.prepare, agent, body.model, engine)
         record: RequestRecord = request.state.kvrt
         record.model = body.model
         bridge = Bridge(self._waker())
         grammar_field = "tools" if tools is not None and tools.grammar is not None else "response_format"
         stream = self._submit(engine, lambda: engine.submit(job, notify=bridge.notify), job, grammar_field)
+        self.agents.track(stream.id, turn)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         shaper = Shaper(kind, f"{prefix}-{uuid.uuid4().hex}", int(time.time()), body.model, engine.model, job.n,
                         logprobs is not None, tokens=kind == "text" and body.return_tokens,
@@ -559,9 +585,12 @@ class OpenAIServer:
             async for event in bridge.events(stream):
                 _note(request.state.kvrt, event)
                 result = collector.add(event) or result
+            if result is not None and result.end.error is None:
+                await self.agents.finish(stream.id)
         finally:
             watcher.cancel()
             stream.cancel()  # harmless when the request is over
+            self.agents.drop(stream.id)
         assert result is not None  # events() ends with the RequestEnd
         self._raise_refusal(result.end.error)
         return result
@@ -593,7 +622,11 @@ class OpenAIServer:
         """A streamed request's chunks, once it was admitted (a refusal before its first output or keep-alive is
         raised here as an HTTP error); see :meth:`_stream`."""
         events = paced(bridge.events(stream), self.sse_keepalive_s)
-        first = await self._admitted(request, stream, events)
+        try:
+            first = await self._admitted(request, stream, events)
+        except BaseException:
+            self.agents.drop(stream.id)
+            raise
         return self._stream(stream, events, first, shaper, usage, request.state.kvrt, choices)
 
     async def _stream(self, stream: RequestStream, events: AsyncIterator[Event | None], first: list[Event | None],
@@ -630,6 +663,7 @@ class OpenAIServer:
                 elif event.error is not None:
                     yield ApiError(500, f"the request failed: {event.error}", kind="server_error").body()
                 else:
+                    await self.agents.finish(stream.id)
                     self._remember(shaper.id, shaper.model_name, list(stream.request.prompt), collector.choices)
                     if choices is not None:
                         choices.extend(collector.choices)
@@ -637,6 +671,7 @@ class OpenAIServer:
                         yield shaper.usage_chunk(event)
         finally:
             stream.cancel()
+            self.agents.drop(stream.id)
 
     def _remember(self, completion_id: str, model: str, prompt: list[int], choices: list[ChoiceResult]) -> None:
         self._keep(self._outputs, completion_id, (model, [list(prompt) + c.tokens for c in choices]))
@@ -689,6 +724,7 @@ class OpenAIServer:
             self._thread.join()
             self._server = self._thread = None
         self._tokenizer.shutdown(wait=False, cancel_futures=True)
+        self.agents.close()
 
     def run(self, host: str, port: int) -> None:
         """Serve in this thread until SIGINT / SIGTERM (uvicorn handles both)."""

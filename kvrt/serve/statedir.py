@@ -16,10 +16,10 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from kvrt.engine.model import Model
 from kvrt.errors import KvrtError
 from kvrt.serve.agent import Agent, ContextPolicy
 from kvrt.serve.membership import admit, teardown
-from kvrt.serve.registry import LoadedModel
 from kvrt.serve.results import UnknownAgent, check_agent_id
 from kvrt.state.agentstore import AgentRecord, AgentStoreError, StateFileError, StateProblem
 
@@ -105,9 +105,10 @@ def record_policy(record: AgentRecord) -> ContextPolicy:
                                                    f"{record.policy!r}: {exc}") from None
 
 
-def check_model(record: AgentRecord, entry: LoadedModel) -> None:
-    """:class:`StateFileError` when the model now at the record's path is not the one the agent was saved with."""
-    mismatch = record.fingerprint.mismatch(entry.model.fingerprint)
+def check_model(record: AgentRecord, model: Model) -> None:
+    """:class:`StateFileError` when ``model`` (the one now at the record's path) is not the one the agent was saved
+    with (the socket front's agents and the HTTP front's alike)."""
+    mismatch = record.fingerprint.mismatch(model.fingerprint)
     if mismatch is not None:
         raise StateFileError(record.manifest_name, f"model {record.model_path} is not the one agent "
                                                    f"{record.agent_id!r} was saved with: {mismatch}")
@@ -123,7 +124,7 @@ def _restore(sched: Scheduler, record: AgentRecord) -> None:
                                                    "(by a batched scheduler): serve this state dir with --batch-slots")
     agent = admit(sched, record.agent_id, record.model_path, record_policy(record), record.n_ctx)
     try:
-        check_model(record, agent.entry)
+        check_model(record, agent.entry.model)
         agent.kv.snapshot = store.load_snapshot(record, sched.pool)
     except BaseException:
         sched.registry.release(agent.entry)

@@ -217,7 +217,7 @@ class AgentStore:
             write_atomic(self.directory / record.manifest_name, lambda fh: fh.write(manifest))
             self._remove_kv_files(record.agent_id, keep=kv_file)
         except (OSError, SnapshotError) as exc:
-            self._failed(record.agent_id, f"not saved to {self.directory}: {exc}")
+            self.failed(record.agent_id, f"not saved to {self.directory}: {exc}")
             raise AgentStoreError(f"agent {record.agent_id!r}: {self.unsaved[record.agent_id]}") from exc
         with self._unsaved_lock:
             self.unsaved.pop(record.agent_id, None)
@@ -231,7 +231,7 @@ class AgentStore:
             (self.directory / (agent_id + MANIFEST_SUFFIX)).unlink(missing_ok=True)
             self._remove_kv_files(agent_id, keep=None)
         except OSError as exc:
-            self._failed(agent_id, f"unregistered, but its files in {self.directory} could not be removed "
+            self.failed(agent_id, f"unregistered, but its files in {self.directory} could not be removed "
                                    f"(a restart brings it back): {exc}")
             raise AgentStoreError(f"agent {agent_id!r}: {self.unsaved[agent_id]}") from exc
         with self._unsaved_lock:
@@ -242,7 +242,8 @@ class AgentStore:
         with self._unsaved_lock:
             self.unsaved.pop(agent_id, None)
 
-    def _failed(self, agent_id: str, reason: str) -> None:
+    def failed(self, agent_id: str, reason: str) -> None:
+        """Log that ``agent_id``'s latest state is not saved, and why; kept in :attr:`unsaved` until a save succeeds."""
         log.error("agent %r: %s", agent_id, reason)
         with self._unsaved_lock:
             self.unsaved[agent_id] = reason
