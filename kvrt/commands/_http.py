@@ -76,6 +76,10 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                             "answer says so: header X-Kvrt-Context-Shift, and a kvrt.context_shift field unstreamed)")
     group.add_argument("--keep-tokens", type=non_negative_int, default=1,
                        help="with --context-policy shift: the prompt's first tokens always kept (1: a BOS)")
+    group.add_argument("--step-trace", metavar="DIR", default=None,
+                       help="write a line of JSON per engine step to DIR/MODEL.jsonl: the batch's decode rows, prompt "
+                            "chunks, llama.cpp micro-batches and each phase's milliseconds (kvrt.runtime.step_trace; "
+                            "tools/step_trace_summary.py sums a file up)")
     group.add_argument("--request-timeout-s", type=seconds(zero=False), default=argparse.SUPPRESS,
                        help="end any request after this many seconds, finish_reason 'deadline' (none: no limit)")
 
@@ -127,7 +131,9 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
                           prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
                           flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout)
     agents = AgentBook(getattr(args, "state_dir", None))  # a state dir another process holds: refused before loading
-    pool = ModelPool(registry, config, models=dict(zip(names, paths)), models_dir=models_dir)
+    trace_dir = Path(args.step_trace) if getattr(args, "step_trace", None) else None
+    pool = ModelPool(registry, config, models=dict(zip(names, paths)), models_dir=models_dir,
+                     step_trace_dir=trace_dir)
     try:
         if not pool.names():
             raise KvrtError(f"--models-dir {models_dir}: no *.gguf files there, and no --model given")

@@ -37,6 +37,7 @@ from kvrt.runtime.admission import EngineConfig
 from kvrt.runtime.batching import Engine
 from kvrt.runtime.host_tier import HostMemory
 from kvrt.runtime.requests import EngineClosed
+from kvrt.runtime.step_trace import StepTrace
 from kvrt.serve.registry import LoadedModel, ModelRegistry
 from kvrt.state.hostpool import host_memory
 
@@ -111,10 +112,11 @@ class ModelPool:
 
     def __init__(self, registry: ModelRegistry | None, config: EngineConfig, *,
                  models: Mapping[str, Path] | None = None, models_dir: Path | None = None,
-                 host_memory: HostMemory = host_memory) -> None:
+                 host_memory: HostMemory = host_memory, step_trace_dir: Path | None = None) -> None:
         self.registry = registry
         self.config = config
         self.models_dir = models_dir
+        self.step_trace_dir = step_trace_dir
         self._host_memory = host_memory
         self._lock = threading.RLock()
         self._paths: dict[str, Path] = {}
@@ -308,9 +310,12 @@ class ModelPool:
                 if evict and not hopeless and self._unload_lru(name):
                     continue
                 raise
+            trace = StepTrace(self.step_trace_dir / f"{name}.jsonl") if self.step_trace_dir is not None else None
             try:
-                engine = Engine(entry.model, config, host_memory=self._host_memory)
+                engine = Engine(entry.model, config, host_memory=self._host_memory, trace=trace)
             except BaseException:
+                if trace is not None:
+                    trace.close()
                 ledger.release(context)
                 registry.release(entry)
                 raise
