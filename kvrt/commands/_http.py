@@ -129,7 +129,8 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
         raise KvrtError(f"two models would share a name (the file stem): {names}")
     config = EngineConfig(n_ctx=args.n_ctx, n_seq_max=args.slots, n_batch=args.n_batch,
                           prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
-                          flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout)
+                          flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout,
+                          pad_gaps=getattr(args, "pad_gaps", "on") == "on")
     agents = AgentBook(getattr(args, "state_dir", None))  # a state dir another process holds: refused before loading
     trace_dir = Path(args.step_trace) if getattr(args, "step_trace", None) else None
     pool = ModelPool(registry, config, models=dict(zip(names, paths)), models_dir=models_dir,

@@ -95,6 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "unified pools them, so one request may use them all and prefixes are shared without a "
                              "copy, but every sequence attends over every used cell; auto runs split and turns unified "
                              "while a request needs more than a slot's share")
+    parser.add_argument("--pad-gaps", choices=("on", "off"), default="on",
+                        help="split layout: a step whose sequences leave idle slots between them gives those slots a "
+                             "throwaway token, removed after the step, when that makes fewer llama.cpp micro-batches "
+                             "(each reads all the weights; llama.cpp puts only consecutive slots in one)")
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="clients served at once; more get ERR TOO_MANY_CONNECTIONS")
     parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
@@ -164,7 +168,8 @@ def _start_socket(args: argparse.Namespace, registry: ModelRegistry, budget: Bud
     if args.batch_slots:
         scheduler = BatchedScheduler(ledger, registry, config=BatchConfig(
             n_ctx=args.batch_cells, n_seq_max=args.batch_slots, n_threads=args.threads,
-            host_bytes=args.batch_host_mib << 20, kv_layout=args.kv_layout), state_dir=args.state_dir)
+            host_bytes=args.batch_host_mib << 20, kv_layout=args.kv_layout,
+            pad_gaps=args.pad_gaps == "on"), state_dir=args.state_dir)
     else:
         scheduler = Scheduler(ledger, registry, n_threads=args.threads, state_dir=args.state_dir,
                               prefetch=args.prefetch)

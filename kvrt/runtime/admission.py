@@ -50,7 +50,9 @@ class EngineConfig:
     :class:`kvrt.runtime.batching.Engine`). ``n_batch`` bounds the tokens of one step
     (every decoding choice takes one, so it must be >= ``n_seq_max``); ``prefill_chunk``
     bounds one request's prompt tokens per step; ``max_queue`` the requests waiting for
-    admission before :class:`kvrt.runtime.requests.EngineOverloaded`.
+    admission before :class:`kvrt.runtime.requests.EngineOverloaded`. ``pad_gaps``: in the split layout, a step
+    whose sequences leave idle slots between them gives each of those a throwaway token, removed after the step,
+    when that makes fewer llama.cpp micro-batches (:meth:`kvrt.runtime.prefix_cache.PrefixCache.padding`).
     """
 
     n_ctx: int = 4096
@@ -63,6 +65,7 @@ class EngineConfig:
     host_bytes: int = 0  # host copies of evicted slots (kvrt.runtime.host_tier); 0: evicted prefixes are recomputed
     kv_layout: str = "auto"
     split_after_idle_s: float = 2.0  # longer than an agent's pause between turns: a switch drops the cache
+    pad_gaps: bool = True  # split: idle slots between a step's sequences get a throwaway token (see above)
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_seq_max", "n_batch", "prefill_chunk", "max_queue"):

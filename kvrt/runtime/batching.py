@@ -57,7 +57,7 @@ import numpy as np
 
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
-from kvrt.engine.decode_step import Feed, fill, greedy_picks
+from kvrt.engine.decode_step import Feed, Landed, fill, greedy_picks
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.micro_batches import count_micro_batches
 from kvrt.engine.model import Model
@@ -160,6 +160,7 @@ class Engine:
         self._closing = False
         self._steps = self._prefilled = self._reused = self._restored = self._decoded = self._relayouts = 0
         self._micro_batches = 0
+        self._pads: list[Feed] = []  # this step's throwaway tokens (_fill), removed after its decode
         self._switch_to: bool | None = None  # the layout (shared?) the worker recreates the context in next
         self._idle_since: float | None = None  # when the worker last found nothing to decode (None: busy)
         self._clock = _StepClock()
@@ -324,22 +325,24 @@ class Engine:
         self._idle_since = None
         t_decode, cpu_decode = time.perf_counter(), time.thread_time()
         decoded = self._decode(rows)
-        if decoded:
+        if decoded is not None:
+            rows = decoded
             self._steps += 1
             self._advance(rows)  # cell bookkeeping, under the compute where llama_decode returns early (GPU)
             self.ctx.synchronize()  # the outputs are read next anyway: the wait is the decode's
         t_sample, cpu_sample = time.perf_counter(), time.thread_time()
-        if decoded:
+        if decoded is not None:
             self._sample(rows)
         t_end, host_cpu = time.perf_counter(), cpu_decode - cpu0 + time.thread_time() - cpu_sample
         self._clock.add(t0, t_fill, t_decode, t_sample, t_end, host_cpu)
-        if decoded:
+        if decoded is not None:
             self._account(rows, (t0, t_fill, t_decode, t_sample, t_end), host_cpu)
         return True
 
     def _account(self, rows: list[_Row], times: tuple[float, float, float, float, float], host_cpu: float) -> None:
         """Count the micro-batches llama.cpp split this step's batch into; with a trace, write the step's line."""
-        shape = sorted((r.seq, r.p1 - r.p0) for r in rows)  # fill's by_seq order (unified: any order counts alike)
+        # fill's by_seq order (unified: any order counts alike), the pads among the rows
+        shape = sorted([(r.seq, r.p1 - r.p0) for r in rows] + [(pad.seq, 1) for pad in self._pads])
         micro = count_micro_batches(shape, self.ctx.params.n_ubatch, per_stream=not self.cache.shared)
         self._micro_batches += micro
         if self.trace is None:
@@ -351,9 +354,11 @@ class Engine:
         self.trace.record(StepRecord(
             t_s=t0, admit_ms=1e3 * (t_fill - t0), fill_ms=1e3 * (t_decode - t_fill),
             decode_ms=1e3 * (t_sample - t_decode), sample_ms=1e3 * (t_end - t_sample), host_cpu_ms=1e3 * host_cpu,
-            tokens=sum(n for _, n in shape), decode_rows=len(rows) - len(prompt), prompt_tokens=sum(prompt),
-            prompt_chunks=len(prompt), sequences=len({seq for seq, _ in shape}), micro_batches=micro,
-            live=len(self._live), queued=queued, layout="unified" if self.cache.shared else "split"))
+            tokens=sum(n for _, n in shape) - len(self._pads), decode_rows=len(rows) - len(prompt),
+            prompt_tokens=sum(prompt),
+            prompt_chunks=len(prompt), sequences=len({r.seq for r in rows}), micro_batches=micro,
+            live=len(self._live), queued=queued, layout="unified" if self.cache.shared else "split",
+            pads=len(self._pads)))
 
     def _run_commands(self) -> None:
         while True:
@@ -412,9 +417,10 @@ class Engine:
                 self._pin_slot(live)
                 self._end(live)
 
-    def _fill(self) -> list[_Row]:
+    def _fill(self, *, pad: bool = True) -> list[_Row]:
         """This step's batch: every decoding choice's token, then prompt chunks within the budget, round robin;
-        while exact requests prefill, one chunk of one of them (round robin) alone."""
+        while exact requests prefill, one chunk of one of them (round robin) alone. In the split layout idle slots
+        between the step's sequences may get a throwaway token (:meth:`_pad`)."""
         owners: list[tuple[Live, Choice | None]] = []
         feeds: list[Feed] = []
         prefilling = [live for live in self._live if live.prefilling]
@@ -427,32 +433,66 @@ class Engine:
                     if choice.pending is not None:
                         owners.append((live, choice))
                         feeds.append(Feed(choice.slot, choice.pos, (choice.pending,)))
+        decoding = len(feeds)
         turn = self._steps % len(prefilling) if prefilling else 0
         for live in prefilling[turn:] + prefilling[:turn]:
             owners.append((live, None))
             feeds.append(Feed(live.slot, 0, live.prompt, logits=not live.pin, done=live.prefilled))
         landed = fill(self.batch, feeds, budget=self.ctx.n_batch, chunk=self.config.prefill_chunk,
                       by_seq=not self.cache.shared)
+        self._pads = [] if exact or not (pad and self.config.pad_gaps) else self._pad(feeds, decoding, landed)
+        if self._pads:
+            padded = fill(self.batch, feeds[:decoding] + self._pads + feeds[decoding:], budget=self.ctx.n_batch,
+                          chunk=self.config.prefill_chunk, by_seq=True)
+            landed = padded[:decoding] + padded[decoding + len(self._pads):]
         return [_Row(live, -1 if part.row is None else part.row, choice, part.p0, part.p1)
                 for (live, choice), part in zip(owners, landed)]
 
-    def _decode(self, rows: list[_Row]) -> bool:
-        """``ctx.decode`` of the batch; on failure the requests in it fail (nothing else is touched).
+    def _pad(self, feeds: list[Feed], decoding: int, landed: list[Landed]) -> list[Feed]:
+        """The throwaway tokens (:meth:`PrefixCache.padding`) for the idle slots between the sequences of
+        ``landed``, when they make fewer llama.cpp micro-batches; they go after the ``decoding`` one-token feeds,
+        so they take budget from prompt chunks only (none when they would leave a chunk no token)."""
+        pads = self.cache.padding([part.feed.seq for part in landed])
+        used = sum(part.p1 - part.p0 for part in landed)
+        squeezed = len(pads) - (self.ctx.n_batch - used)  # prompt tokens the pads take from the last chunk
+        if not pads or (squeezed > 0 and (len(landed) == decoding or squeezed >= landed[-1].p1 - landed[-1].p0)):
+            return []
+        n_ubatch = self.ctx.params.n_ubatch
+        shape = sorted((part.feed.seq, part.p1 - part.p0) for part in landed)
+        padded = sorted(shape + [(pad.seq, 1) for pad in pads])
+        if count_micro_batches(padded, n_ubatch, per_stream=True) >= count_micro_batches(shape, n_ubatch,
+                                                                                           per_stream=True):
+            return []
+        return pads
 
-        Code 1 (no free cells; llama.cpp rolled its memory back) first evicts every unpinned
-        cached prefix and tries once more.
+    def _decode(self, rows: list[_Row]) -> list[_Row] | None:
+        """``ctx.decode`` of the batch: the rows decoded, or ``None`` when it failed and the requests in it did
+        (nothing else is touched). The pads of the step are removed after it either way.
+
+        Code 1 (no free cells; llama.cpp rolled its memory back) in the unified layout first evicts every
+        unpinned cached prefix and tries once more (split: a slot's stream is its own, evicting others frees none
+        of it). A batch with pads that fails is laid out again without them and tried once more: a pad must never
+        be why a step's requests fail.
         """
         for attempt in range(2):
             try:
                 self.ctx.decode(self.batch)
                 self.cache.settled()
-                return True
+                return rows
             except DecodeError as exc:
-                if attempt == 0 and exc.code == 1 and self.cache.evict_all():
+                if attempt == 0 and self._pads:
+                    log.warning("a step with %d pads failed (%s); once more without them", len(self._pads), exc)
+                    self.cache.unpad(self._pads)
+                    rows = self._fill(pad=False)
+                    continue
+                if attempt == 0 and exc.code == 1 and self.cache.shared and self.cache.evict_all():
                     continue
                 for live in {id(r.live): r.live for r in rows}.values():
                     self._fail(live, exc)
-        return False
+                return None
+            finally:
+                self.cache.unpad(self._pads)
+        return None
 
     def _advance(self, rows: list[_Row]) -> None:
         """Mirror the decoded cells, share prompt chunks with the forks, run ``after_chunk`` hooks."""

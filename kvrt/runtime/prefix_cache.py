@@ -44,12 +44,13 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable, Sequence, Set
+from collections.abc import Collection, Iterable, Sequence, Set
 from typing import Literal
 
 import numpy as np
 
 from kvrt.engine.context import Context
+from kvrt.engine.decode_step import Feed
 from kvrt.errors import KvrtError
 from kvrt.prefixes import Eviction, TokenIds, common_prefix
 from kvrt.runtime.host_tier import HostEntry, HostTier, owner_priority
@@ -247,6 +248,27 @@ class PrefixCache:
         """Whether a stream copy the next decode does reads or writes the slot (its device data is not the
         mirror's yet)."""
         return slot in self._unsettled
+
+    def padding(self, seqs: Collection[int]) -> list[Feed]:
+        """Split layout: a throwaway token (id 0, no logits) at the next position of every slot between the lowest
+        and highest of ``seqs`` that is not among them and can take one: free or cached, no stream copy pending,
+        a cell left in its stream. Why: llama.cpp puts only consecutive sequence ids in one micro-batch
+        (:mod:`kvrt.engine.micro_batches`), and every micro-batch reads all the weights, so 16 decode rows in
+        every other slot cost 8 of them; padded, one. :meth:`unpad` must follow the decode: the mirror never
+        records a pad (a slot's cells after ``unpad`` are the ones it had)."""
+        if self.shared or not seqs:
+            return []
+        present = set(seqs)
+        return [Feed(slot, self.held(slot), (0,), logits=False)
+                for slot in range(min(present) + 1, max(present))
+                if slot not in present and self.state[slot] != "active" and slot not in self._unsettled
+                and self.held(slot) < self.slot_cells]
+
+    def unpad(self, pads: Iterable[Feed]) -> None:
+        """Remove what :meth:`padding`'s tokens wrote (each at its slot's next position, so only it goes); after a
+        failed decode too, where it may not have been written (the removal then removes nothing)."""
+        for pad in pads:
+            self.ctx.seq_rm(pad.seq, pad.pos, -1)
 
     def settled(self) -> None:
         """A decode succeeded: llama.cpp has done every pending stream copy."""

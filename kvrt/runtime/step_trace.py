@@ -39,6 +39,7 @@ class StepRecord:
     live: int  # requests running after admission
     queued: int  # requests waiting
     layout: str  # "split" or "unified"
+    pads: int = 0  # throwaway tokens in idle slots between the batch's sequences (not in ``tokens``)
 
 
 class StepTrace:
