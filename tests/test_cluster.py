@@ -24,13 +24,15 @@ pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip instal
 import ray  # noqa: E402
 from kvrt.accounting.ledger import VramLedger  # noqa: E402
 from kvrt.cluster.affinity import ranked, route_of  # noqa: E402
-from kvrt.cluster.app import build  # noqa: E402
+from kvrt.cluster.app import build, from_args  # noqa: E402
 from kvrt.cluster.replica import REPLICA_HEADER, ReplicaSpec  # noqa: E402
+from kvrt.errors import KvrtError  # noqa: E402
 from kvrt.runtime.admission import EngineConfig  # noqa: E402
 from kvrt.serve.http_agents import HEADER  # noqa: E402
 from kvrt.serve.http_front import HttpFront, HttpOptions, start_front  # noqa: E402
 from kvrt.serve.registry import ModelRegistry  # noqa: E402
 from ray import serve  # noqa: E402
+from ray.serve import Application  # noqa: E402
 
 WAIT_S = 120.0
 TURN_TOKENS = 6
@@ -155,6 +157,32 @@ def test_a_streamed_completion_passes_through_and_greedy_output_equals_a_single_
     assert streamed == unstreamed == reference
     assert replica == same  # an anonymous prompt goes by its opening: to the replica that has it cached
     assert cached == len(prompt) - 1
+
+
+def test_the_answer_carries_the_proxys_own_date_and_server_once(cluster: Address):
+    connection = http.client.HTTPConnection(*cluster, timeout=WAIT_S)
+    try:
+        connection.request("GET", "/v1/models")
+        response = connection.getresponse()
+        names = [name.lower() for name, _ in response.getheaders()]
+        assert response.status == 200 and json.loads(response.read())["data"]
+    finally:
+        connection.close()
+    assert names.count("date") == 1 and names.count("server") == 1 and names.count(REPLICA_HEADER.lower()) == 1
+
+
+def test_the_example_serve_config_builds_and_bad_args_are_named():
+    yaml = pytest.importorskip("yaml", reason="PyYAML reads Serve config files (it comes with ray)")
+    config = yaml.safe_load((Path(__file__).parents[1] / "examples" / "ray_serve" / "serve_config.yaml").read_text())
+    (application,) = config["applications"]
+    assert application["import_path"] == "kvrt.cluster.app:from_args"
+    assert isinstance(from_args(application["args"]), Application)
+    with pytest.raises(KvrtError, match=r"args.engine: unknown key\(s\) \['n_cxt'\]"):
+        from_args({"engine": {"n_cxt": 4096}})
+    with pytest.raises(KvrtError, match=r"unknown key\(s\) \['replica'\]"):
+        from_args({"replica": 2})
+    with pytest.raises(KvrtError, match="http.state_dir"):
+        from_args({"http": {"state_dir": "/tmp/agents"}})
 
 
 def test_a_bad_agent_id_gets_the_single_servers_400(cluster: Address, single: Address, tiny_model_path: Path):

@@ -37,6 +37,10 @@ def build(spec: ReplicaSpec, *, replicas: int = 2, prefix_chars: int = DEFAULT_P
         raise KvrtError(f"replicas must be >= 1, got {replicas}")
     if prefix_chars < 1:
         raise KvrtError(f"prefix_chars must be >= 1, got {prefix_chars}")
+    if spec.http.state_dir is not None:
+        # a replacement replica has a new id, so its agents hash elsewhere: what it saved would not come back
+        raise KvrtError("http.state_dir: a cluster does not keep agents across replica restarts (a replica that "
+                        "replaces another gets other agents), so saved agents are not supported here")
     ongoing = max_ongoing_requests or spec.engine.n_seq_max + spec.engine.max_queue
     replica = serve.deployment(KvrtReplica, name=REPLICA_DEPLOYMENT, num_replicas=replicas,
                                max_ongoing_requests=ongoing,

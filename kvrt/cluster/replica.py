@@ -28,9 +28,10 @@ from kvrt.serve.registry import ModelRegistry
 
 REPLICA_HEADER = "X-Kvrt-Replica"
 RECONCILE_S = 5.0  # kvrt serve --reconcile-s's default: how often a GPU's ledger re-reads NVML
-# hop-by-hop headers, and those the relay's client recomputes: never copied across the relay
+# never copied across the relay: hop-by-hop headers, those the relay's client recomputes, and those the outer
+# server (Serve's proxy) writes itself (``date``, ``server``: else an answer carries two of each)
 NOT_RELAYED = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade",
-                         "te", "trailer", "proxy-connection"})
+                         "te", "trailer", "proxy-connection", "date", "server"})
 
 
 @dataclass(frozen=True)
