@@ -120,6 +120,19 @@ def turn(address: Address, model: str, prompt: list[int], *, user: str | None = 
     return tokens, chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"], replica
 
 
+def agents_on_both(cluster: Address, model: str, prompt: list[int]) -> dict[str, str]:
+    """One turn each of agents ``agent-0``, ``agent-1``, ... until both replicas served some, 8 at least: the replica
+    of each (replica ids are random, so which agents land where is known only once they are)."""
+    served: dict[str, str] = {}
+    for k in range(64):  # all 64 on one replica: 2 ** -63
+        replica = turn(cluster, model, prompt, user=f"agent-{k}")[2]
+        assert replica is not None
+        served[f"agent-{k}"] = replica
+        if k >= 7 and len(set(served.values())) == 2:
+            return served
+    raise AssertionError(f"64 agents, all on one replica: {set(served.values())}")
+
+
 def test_an_agents_turns_stay_on_its_replica_and_find_its_history_cached(cluster: Address, tiny_model_path: Path,
                                                                           tiny_model):
     model = tiny_model_path.stem
@@ -137,10 +150,8 @@ def test_an_agents_turns_stay_on_its_replica_and_find_its_history_cached(cluster
 def test_agents_spread_over_the_replicas_by_their_hash(cluster: Address, tiny_model_path: Path, tiny_model):
     model = tiny_model_path.stem
     prompt = tiny_model.tokenize("a short line")
-    agents = [f"agent-{k}" for k in range(8)]
-    served = {agent: turn(cluster, model, prompt, user=agent)[2] for agent in agents}
-    replicas = sorted({r for r in served.values() if r is not None})
-    assert len(replicas) == 2  # 8 agents on one of 2 replicas by chance: 2 ** -7
+    served = agents_on_both(cluster, model, prompt)
+    replicas = sorted(set(served.values()))
     for agent, replica in served.items():
         key = route_of({HEADER.lower(): agent}, b"").key
         assert key is not None and replica == ranked(key, replicas)[0]
@@ -185,6 +196,14 @@ def test_the_example_serve_config_builds_and_bad_args_are_named():
         from_args({"http": {"state_dir": "/tmp/agents"}})
 
 
+def test_a_body_over_the_limit_gets_the_single_servers_413(cluster: Address, single: Address,
+                                                          tiny_model_path: Path):
+    body = {"model": tiny_model_path.stem, "prompt": "x" * (4 << 20)}
+    answers = [call(address, "POST", "/v1/completions", body) for address in (single, cluster)]
+    assert [(status, json.loads(raw)["error"]["code"]) for status, _, raw in answers] == \
+        [(413, "request_too_large")] * 2
+
+
 def test_a_bad_agent_id_gets_the_single_servers_400(cluster: Address, single: Address, tiny_model_path: Path):
     body = {"model": tiny_model_path.stem, "prompt": "hello", "max_tokens": 2}
     for headers, user in (({HEADER: "not an id!"}, None), ({}, "x" * 65)):
@@ -193,3 +212,21 @@ def test_a_bad_agent_id_gets_the_single_servers_400(cluster: Address, single: Ad
         status, _, raw = call(cluster, "POST", "/v1/completions", sent, headers)
         assert (status, json.loads(raw)) == (expected[0], json.loads(expected[2]))
         assert status == 400 and json.loads(raw)["error"]["code"] == "invalid_agent_id"
+
+
+def test_a_replica_that_exits_moves_only_its_own_agents(cluster: Address, tiny_model_path: Path):
+    """Last in this module: it kills a replica (Ray starts a replacement with a new id). Every request still gets
+    an answer; an agent of the surviving replica stays there unless the replacement now wins its hash, and each
+    agent goes to the rendezvous winner among the replicas alive."""
+    model = tiny_model_path.stem
+    before = agents_on_both(cluster, model, [1, 2, 3])
+    agents = list(before)
+    victim, survivor = sorted(set(before.values()))
+    (name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith(f"#{victim}")]
+    ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    for agent in agents:
+        replica = turn(cluster, model, [1, 2, 3], user=agent)[2]
+        key = route_of({HEADER.lower(): agent}, b"").key
+        assert replica is not None and key is not None and replica != victim
+        alive = [survivor] if replica == survivor else [survivor, replica]  # a replacement answered: it is alive
+        assert ranked(key, alive)[0] == replica

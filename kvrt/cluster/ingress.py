@@ -9,6 +9,7 @@ on chunk by chunk as it comes. Everything else (the API key, errors, agents' 400
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -43,7 +44,8 @@ class Ingress:
                                   f"{self.max_input_bytes} (max_input_bytes)", code="request_too_large")
             return JSONResponse(error.body(), status_code=413)
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        route = route_of(request.headers, body, prefix_chars=self.prefix_chars)
+        # parsing a body of megabytes takes milliseconds: off the loop, where every relayed stream of this ingress runs
+        route = await asyncio.to_thread(route_of, request.headers, body, prefix_chars=self.prefix_chars)
         answer: DeploymentResponseGenerator = self._replicas.remote(
             request.method, path, relayed(request.headers.items()), body, **{ROUTE_KWARG: route})
         try:
