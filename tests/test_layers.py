@@ -23,7 +23,8 @@ LAYERS: list[set[str]] = [
     {"runtime"},
     {"branching", "memory", "stream"},
     {"serve"},
-    {"__init__"},  # the public facade: re-exports
+    {"__init__", "cluster"},  # the public facade (re-exports); Ray Serve replicas (the cluster extra): neither
+    # imports the other, so `import kvrt` never needs ray
     {"commands"},
     {"cli"},
 ]

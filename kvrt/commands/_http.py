@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,8 +11,7 @@ from kvrt.commands._args import non_negative_int, positive_int, seconds
 from kvrt.errors import KvrtError
 
 if TYPE_CHECKING:  # the serve extra's imports wait until --http is used
-    from kvrt.serve.model_pool import ModelPool
-    from kvrt.serve.openai_server import OpenAIServer
+    from kvrt.serve.http_front import HttpFront
     from kvrt.serve.registry import ModelRegistry
 
 DESCRIPTION = """With --http HOST:PORT, serve one or more GGUF models over HTTP with OpenAI's
@@ -93,62 +91,24 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-@dataclass
-class HttpFront:
-    """A started HTTP server and its model pool: an engine per loaded model, each model leased from the process's
-    :class:`ModelRegistry` (shared with the socket front's agents on the same file) and each engine's context
-    charged to the ledger. :meth:`close` stops it and gives all of that back."""
-
-    server: OpenAIServer
-    address: tuple[str, int]
-    pool: ModelPool
-
-    def close(self) -> None:
-        """Stop accepting, end open requests (streams get their final event and [DONE]), then free everything."""
-        self.server.stop_accepting()
-        self.pool.close_engines()
-        self.server.stop()
-        self.pool.close()
-
-
 def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
-    """Load every ``--model`` through ``registry`` (admitted by its ledger, or refused with the ledger's numbers
-    before its weights are read), charge one engine's context each, list ``--models-dir``'s models for loading on
-    demand, and serve them on ``--http`` from a background thread."""
-    from kvrt.modelfiles.demo_model import demo_model_path
+    """Start ``kvrt serve --http``'s front from its parsed options (see :func:`kvrt.serve.http_front.start_front`:
+    every ``--model`` loaded through ``registry``'s ledger, ``--models-dir``'s listed for loading on demand)."""
     from kvrt.runtime.admission import EngineConfig
-    from kvrt.serve.http_agents import AgentBook
-    from kvrt.serve.model_pool import ModelPool
-    from kvrt.serve.openai_server import OpenAIServer
+    from kvrt.serve.http_front import HttpOptions, start_front
 
-    host_name, port = parse_address(args.http)
-    models_dir = Path(args.models_dir) if getattr(args, "models_dir", None) else None
-    paths = [Path(p) for p in getattr(args, "model", None) or ([] if models_dir else [demo_model_path()])]
-    names = [p.stem for p in paths]
-    if len(set(names)) != len(names):
-        raise KvrtError(f"two models would share a name (the file stem): {names}")
+    host, port = parse_address(args.http)
     config = EngineConfig(n_ctx=args.n_ctx, n_seq_max=args.slots, n_batch=args.n_batch,
                           prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
                           flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout,
                           pad_gaps=getattr(args, "pad_gaps", "on") == "on")
-    agents = AgentBook(getattr(args, "state_dir", None))  # a state dir another process holds: refused before loading
-    trace_dir = Path(args.step_trace) if getattr(args, "step_trace", None) else None
-    pool = ModelPool(registry, config, models=dict(zip(names, paths)), models_dir=models_dir,
-                     step_trace_dir=trace_dir)
-    try:
-        if not pool.names():
-            raise KvrtError(f"--models-dir {models_dir}: no *.gguf files there, and no --model given")
-        for name in names:
-            pool.preload(name)
-        agents.verify(pool.paths(), pool.engines)
-        server = OpenAIServer(pool, default_max_tokens=args.max_tokens,
-                              request_timeout_s=getattr(args, "request_timeout_s", None),
-                              max_input_bytes=args.max_input_bytes, api_key=args.api_key,
-                              sse_keepalive_s=args.sse_keepalive_s, exact_prefix=args.exact_prefix,
-                              context_policy=args.context_policy, keep_tokens=args.keep_tokens, agents=agents)
-        address = server.start(host_name, port)  # an address it cannot listen on: KvrtError, one line
-    except BaseException:
-        pool.close()
-        agents.close()
-        raise
-    return HttpFront(server, address, pool)
+    state_dir = getattr(args, "state_dir", None)
+    options = HttpOptions(models=tuple(Path(p) for p in getattr(args, "model", None) or ()),
+                          models_dir=Path(args.models_dir) if getattr(args, "models_dir", None) else None,
+                          state_dir=Path(state_dir) if state_dir is not None else None, max_tokens=args.max_tokens,
+                          request_timeout_s=getattr(args, "request_timeout_s", None),
+                          max_input_bytes=args.max_input_bytes, api_key=args.api_key,
+                          sse_keepalive_s=args.sse_keepalive_s, exact_prefix=args.exact_prefix,
+                          context_policy=args.context_policy, keep_tokens=args.keep_tokens,
+                          step_trace=Path(args.step_trace) if getattr(args, "step_trace", None) else None)
+    return start_front(options, config, registry, host, port)

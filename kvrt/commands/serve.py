@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvrt.accounting.budget import Budget
     from kvrt.serve.daemon import Daemon
+    from kvrt.serve.http_front import HttpFront
     from kvrt.serve.registry import ModelRegistry
 
 from kvrt.commands import _http
@@ -210,7 +211,7 @@ class _Fronts:
 
     def __init__(self) -> None:
         self.daemon: Daemon | None = None
-        self.http: _http.HttpFront | None = None
+        self.http: HttpFront | None = None
 
     def stop(self, timeout_s: float) -> bool:
         """Stop both within ``timeout_s``; False when the daemon's running request did not finish in time."""
