@@ -139,8 +139,8 @@ def stream(folder: str) -> str:
     return "; ".join(cells)
 
 
-def multimodel(folder: str) -> str:
-    m = load(folder, "multimodel/multimodel.json")
+def multimodel(folder: str, name: str = "multimodel/multimodel.json") -> str:
+    m = load(folder, name)
     idle = m["idle_coresidence"]
     return (f"{len(m['models'])} models, {m['requests']} requests: p99 TTFT static / elastic "
             f"**{spread(m['p99_ttft_static_over_elastic'], unit='x')}**; idle co-resident {idle['static_models']} vs "
@@ -255,7 +255,8 @@ H200_HOST_TIER = ("host-tier/doc-8192.json", "host-tier/doc-32768.json")
 CPU_HOST_TIER = ("host-tier/bench_host_tier-512.json", "host-tier/bench_host_tier-2048.json")
 H200_PEER = ("peer/n32/peer/peer.json", "peer/n8/peer/peer.json")
 CPU_PEER = ("peer/peer.json",)
-H100_PEER = ("peer-3224640/n32/peer/peer.json", "peer-3224640/n8/peer/peer.json")
+H100_PEER = ("peer-e3c6042/n32/peer/peer.json",)
+H100_MULTIMODEL = ("multimodel-3d23534/multimodel.json", "multimodel-bursty-e3c6042/multimodel.json")
 ROWS = (
     Row("two agents over a 3,501-token document, end to end vs the warm baseline (bound 2), and the ideal",
         *_same(fanout_headline, "fanout/fanout.json"), "SwarmKV 1.95x (against fresh contexts)"),
@@ -285,8 +286,8 @@ ROWS = (
         "faster by), and batched-bench's ideal / kvrt",
         Cell(lambda f: peer(f, H200_PEER), H200_PEER, "h200-2026-12-05"),
         Cell(lambda f: peer(f, CPU_PEER), CPU_PEER, "cpu-2026-12-04"), "-"),
-    Row("the same on an NVIDIA H100 80GB (this column's only H100 figures: the GPU lent on 2026-12-05), after the "
-        "host tier took one pinned arena (commit e1e9f07)",
+    Row("the same on an NVIDIA H100 80GB (this column's only H100 figures: the GPU lent on 2026-12-05), N = 32, "
+        "commit e3c6042 (step traces: `bench/RESULTS.md`)",
         Cell(lambda f: peer(f, H100_PEER), H100_PEER, "h100-2026-12-05"), None, "-"),
     Row("three models each asking for a huge context", Cell(coresidence, ("coresidence/agents.json",)), None,
         "lmxd: file size x 1.5 estimates"),
@@ -295,6 +296,10 @@ ROWS = (
         "lmxd 1.285x / 1.47x (GTX 1080)"),
     Row("several real models, a real bursty trace, one KV cap: static reservation vs elastic contexts", None,
         Cell(multimodel, ("multimodel/multimodel.json",)), "kvcached: 1.2x-28x TTFT"),
+    Row("the same on an NVIDIA H100 80GB: the Qwen2.5-7B shape and three Llama-3.2-1B shapes, F16, 32,768 cells "
+        "each at most; the bench's trace, then a burstier one (bursts 0.1 s apart, 3 s between)",
+        Cell(lambda f: " / ".join(multimodel(f, name) for name in H100_MULTIMODEL), H100_MULTIMODEL,
+             "h100-2026-12-05"), None, "kvcached: 1.2x-28x TTFT"),
     Row("llama.cpp context grown on demand (256 cells up) vs fixed", None,
         Cell(elastic_growth, ("elastic/elastic-c.json",)), "llama.cpp: KV for the whole `n_ctx` up front"),
 )
