@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvrt.accounting.devices import DeviceCharge
 from kvrt.accounting.estimate import context_estimate
 from kvrt.accounting.ledger import LedgerDenied, Reservation
 from kvrt.errors import KvrtError
@@ -59,7 +60,7 @@ class _Loaded:
 
     engine: Engine
     entry: LoadedModel | None
-    context: Reservation | None
+    context: Reservation | DeviceCharge | None
     used: int
     holds: int = 0
 
@@ -286,35 +287,75 @@ class ModelPool:
         """Admit ``name``'s weights and context, unloading idle models (``evict``) until they fit, then load it."""
         registry = self.registry
         assert registry is not None
-        ledger, path, config = registry.ledger, self._paths[name], self.config
+        path, config = self._paths[name], self.config
         while True:
             shape, weights = registry.peek(path)  # 0 weights: the registry holds them already
             cells = context_estimate(shape, config.n_ctx, config.n_ubatch).total_bytes
-            hopeless = False  # not even an empty ledger would hold it: unload nothing for it
             try:
-                if not ledger.fits(weights + cells):
-                    snap = ledger.snapshot()
-                    hopeless = weights + cells > snap.max_bytes - snap.external_bytes
-                    raise LedgerDenied(owner=f"http:{name} (weights {weights} B + context {cells} B)",
-                                       max_bytes=snap.max_bytes, allocated_bytes=snap.allocated_bytes,
-                                       request_bytes=weights + cells, external_bytes=snap.external_bytes)
-                context = ledger.try_reserve(cells, f"http:{name}")
-                try:
-                    entry = registry.acquire(path)
-                except BaseException:
-                    ledger.release(context)
-                    raise
+                entry, context = self._admit(name, path, weights, cells)
             except LedgerDenied:
-                if evict and not hopeless and self._unload_lru(name):
+                # not even empty ledgers would hold it: unload nothing for it
+                if evict and not self._hopeless(weights + cells) and self._unload_lru(name):
                     continue
                 raise
             try:
                 engine = Engine(entry.model, config, host_memory=self._host_memory)
             except BaseException:
-                ledger.release(context)
+                registry.give_back(context)
                 registry.release(entry)
                 raise
             return _Loaded(engine, entry, context, next(self._clock))
+
+    def _admit(self, name: str, path: Path, weights: int, cells: int) -> tuple[LoadedModel, Reservation | DeviceCharge]:
+        """Charge ``name``'s context and lease its weights (charged by the registry unless resident), or raise
+        :class:`LedgerDenied` having changed nothing. On a device set the placement policy picks the device(s) for
+        weights and context together; a resident model's context goes where its weights are."""
+        registry = self.registry
+        assert registry is not None
+        owner = f"http:{name}"
+        devices = registry.devices
+        if devices is None:
+            ledger = registry.ledger
+            if not ledger.fits(weights + cells):
+                snap = ledger.snapshot()
+                raise LedgerDenied(owner=f"{owner} (weights {weights} B + context {cells} B)",
+                                   max_bytes=snap.max_bytes, allocated_bytes=snap.allocated_bytes,
+                                   request_bytes=weights + cells, external_bytes=snap.external_bytes)
+            context: Reservation | DeviceCharge = ledger.try_reserve(cells, owner)
+            try:
+                return registry.acquire(path), context
+            except BaseException:
+                registry.give_back(context)
+                raise
+        if weights == 0:  # resident: its context goes with it
+            entry = registry.acquire(path)
+            try:
+                return entry, registry.charge(entry, cells, owner)
+            except BaseException:
+                registry.release(entry)
+                raise
+        placement = registry.policy.place(weights + cells, devices.free_bytes(),
+                                          owner=f"{owner} (weights {weights} B + context {cells} B)",
+                                          snapshots=devices.snapshots())
+        context = devices.reserve(placement.charges(cells), owner)
+        try:
+            entry = registry.acquire(path, placement)
+            if entry.placement != placement:  # another front loaded it meanwhile, elsewhere: follow its weights
+                registry.give_back(context)
+                context = registry.charge(entry, cells, owner)
+        except BaseException:
+            registry.give_back(context)
+            raise
+        if entry.placement is not None:
+            log.info("model %s placed on %s", name, entry.placement.describe())
+        return entry, context
+
+    def _hopeless(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` exceeds what the ledgers could admit with nothing of kvrt's on them."""
+        registry = self.registry
+        assert registry is not None
+        snaps = registry.devices.snapshots().values() if registry.devices else [registry.ledger.snapshot()]
+        return nbytes > sum(snap.max_bytes - snap.external_bytes for snap in snaps)
 
     def _unload_lru(self, keep: str) -> bool:
         """Unload the least recently used idle model other than ``keep``; False when there is none."""
@@ -344,7 +385,7 @@ class ModelPool:
             return
         loaded.engine.close()
         if loaded.context is not None:
-            self.registry.ledger.release(loaded.context)
+            self.registry.give_back(loaded.context)
         self.registry.release(loaded.entry)
 
     # -- state and shutdown ----------------------------------------------------------------
@@ -361,9 +402,15 @@ class ModelPool:
             return out
 
     def ledger_state(self) -> dict[str, Any] | None:
-        """The ledger's numbers (None without a registry)."""
+        """The ledger's numbers (None without a registry); on a device set, each device's under ``devices`` and
+        where each loaded model is under ``placements``."""
         if self.registry is None:
             return None
+        if self.registry.devices is not None:
+            with self._lock:
+                placements = {name: loaded.entry.placement.describe() for name, loaded in self._loaded.items()
+                              if loaded.entry is not None and loaded.entry.placement is not None}
+            return {"devices": self.registry.devices.state(), "placements": placements}
         snap = self.registry.ledger.snapshot()
         return {"capacity_bytes": snap.max_bytes, "allocated_bytes": snap.allocated_bytes,
                 "external_bytes": snap.external_bytes, "free_bytes": snap.free_bytes, "by_owner": snap.by_owner}

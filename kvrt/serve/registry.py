@@ -6,6 +6,12 @@ agent on a path costs a refcount increment, not another load. The order of opera
 is lmxd's, kept strictly: estimate, reserve, load, correct. A load that fails after the
 reservation releases it, so either the model is resident with bytes reserved or nothing
 changed.
+
+With a device set (:class:`~kvrt.accounting.devices.DeviceLedgers`) a first load is placed: on the device its
+caller chose (the HTTP front's pool, which places weights and context together) or where the placement policy
+puts the weights, loaded with that placement's ``main_gpu`` / ``split_mode`` / ``tensor_split`` and its weights
+charged to each device's ledger by the placement's shares (all or nothing). A model is still loaded once: a later
+acquire of a resident path shares the copy already placed, wherever it is.
 """
 
 from __future__ import annotations
@@ -15,8 +21,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrt.accounting.devices import DeviceCharge, DeviceLedgers
 from kvrt.accounting.estimate import DeviceMeter, ModelShape
 from kvrt.accounting.ledger import LedgerDenied, Reservation, VramLedger
+from kvrt.accounting.placement import FreeMemoryPolicy, Placement, PlacementPolicy
 from kvrt.engine.model import Model
 from kvrt.errors import KvrtError
 
@@ -31,17 +39,19 @@ class LoadedModel:
 
     ``estimated_bytes`` is what was reserved before loading (from the header or the
     operator's table); ``reservation.nbytes`` is what the ledger holds now, corrected to
-    the measurement after loading.
+    the measurement after loading. On a device set ``reservation`` is a :class:`DeviceCharge` (one receipt per
+    device of ``placement``) and ``placement`` says where the model is.
     """
 
     path: Path
     model: Model
     shape: ModelShape
-    reservation: Reservation
+    reservation: Reservation | DeviceCharge
     estimated_bytes: int
     estimate_source: str
     refcount: int = 1
     measured_bytes: int | None = None
+    placement: Placement | None = None
 
 
 class ModelRegistry:
@@ -53,11 +63,19 @@ class ModelRegistry:
     ``measure``: on a GPU, correct each derived estimate to what the load took of the device's free
     memory (whole pages; schedulers do the same for contexts). Off, the estimates stand: the choice
     where other processes allocate on the same GPU meanwhile and would be counted as kvrt's.
+    ``devices``: place models over these devices (``policy`` decides where; see the module docstring); ``ledger``
+    is then the ledger single-ledger callers read, one of the set's. Weights charged to a device set stay the
+    estimate (a per-device measurement needs a GPU machine to be tested on).
     """
 
     def __init__(self, ledger: VramLedger, *, n_gpu_layers: int = -1, table: dict[str, int] | None = None,
-                 use_extra_bufts: bool | None = None, measure: bool = True) -> None:
+                 use_extra_bufts: bool | None = None, measure: bool = True, devices: DeviceLedgers | None = None,
+                 policy: PlacementPolicy | None = None) -> None:
+        if devices is not None and all(devices.ledger(i) is not ledger for i in devices.indices):
+            raise RegistryError("a registry on a device set reads one of the set's ledgers as its ledger")
         self.ledger = ledger
+        self.devices = devices
+        self.policy: PlacementPolicy = policy or FreeMemoryPolicy()
         self.measure = measure
         self.n_gpu_layers = n_gpu_layers
         self.use_extra_bufts = use_extra_bufts
@@ -89,11 +107,13 @@ class ModelRegistry:
         shape = ModelShape.read(resolved)
         return shape, self._weight_estimate(resolved, shape)[0]
 
-    def acquire(self, path: str | os.PathLike[str]) -> LoadedModel:
+    def acquire(self, path: str | os.PathLike[str], placement: Placement | None = None) -> LoadedModel:
         """The shared model at ``path``, loaded (after admission) on first use.
 
-        Raises :class:`kvrt.accounting.ledger.LedgerDenied` before touching the file's weights when
-        they do not fit, or the load error after releasing the reservation.
+        On a device set a first load goes to ``placement`` (``None``: where the policy puts its weights); a resident
+        model is shared wherever it is. Raises :class:`kvrt.accounting.ledger.LedgerDenied` (on a device set its
+        :class:`~kvrt.accounting.devices.DevicesDenied`, naming every device) before touching the file's weights
+        when they do not fit, or the load error after releasing the reservation.
         """
         resolved = Path(path).resolve()
         with self._lock:
@@ -103,6 +123,10 @@ class ModelRegistry:
                 return entry
             shape = ModelShape.read(resolved)
             estimate, source = self._weight_estimate(resolved, shape)
+            if self.devices is not None:
+                return self._load_placed(resolved, shape, estimate, source, placement)
+            if placement is not None:
+                raise RegistryError(f"{resolved.name}: a placement needs a registry on a device set")
             reservation = self.ledger.try_reserve(estimate, f"model:{resolved.name}")
             try:
                 meter = DeviceMeter(self.measure)
@@ -122,6 +146,41 @@ class ModelRegistry:
             self._models[resolved] = entry
             return entry
 
+    def _load_placed(self, path: Path, shape: ModelShape, estimate: int, source: str,
+                     placement: Placement | None) -> LoadedModel:
+        """Place (unless the caller did), charge every device its share, load with the placement's parameters (lock
+        held); a failed load gives every device's share back."""
+        devices = self.devices
+        assert devices is not None
+        owner = f"model:{path.name}"
+        if placement is None:
+            placement = self.policy.place(estimate, devices.free_bytes(), owner=owner, snapshots=devices.snapshots())
+        charge = devices.reserve(placement.charges(estimate), owner)
+        try:
+            model = Model(path, n_gpu_layers=self.n_gpu_layers, use_extra_bufts=self.use_extra_bufts,
+                          **placement.model_params())
+        except BaseException:
+            devices.release(charge)
+            raise
+        entry = LoadedModel(path, model, shape, charge, estimate, source, placement=placement)
+        self._models[path] = entry
+        return entry
+
+    def charge(self, entry: LoadedModel, nbytes: int, owner: str) -> Reservation | DeviceCharge:
+        """Charge ``nbytes`` more of ``entry``'s memory (a context: its KV sits with its layers) where the model
+        is: the registry's ledger, or each device of its placement by its share (all or nothing)."""
+        if entry.placement is None or self.devices is None:
+            return self.ledger.try_reserve(nbytes, owner)
+        return self.devices.reserve(entry.placement.charges(nbytes), owner)
+
+    def give_back(self, charge: Reservation | DeviceCharge) -> None:
+        """Release a charge from :meth:`charge` (or a model's weights) on whichever ledgers hold it."""
+        if isinstance(charge, DeviceCharge):
+            assert self.devices is not None
+            self.devices.release(charge)
+        else:
+            self.ledger.release(charge)
+
     def release(self, entry: LoadedModel) -> None:
         """Drop one reference; the last one frees the model and its reservation."""
         with self._lock:
@@ -131,7 +190,7 @@ class ModelRegistry:
             if entry.refcount == 0:
                 del self._models[entry.path]
                 entry.model.close()
-                self.ledger.release(entry.reservation)
+                self.give_back(entry.reservation)
 
     def models(self) -> list[LoadedModel]:
         with self._lock:
@@ -142,6 +201,6 @@ class ModelRegistry:
         with self._lock:
             for entry in self._models.values():
                 entry.model.close()
-                self.ledger.release(entry.reservation)
+                self.give_back(entry.reservation)
                 entry.refcount = 0
             self._models.clear()

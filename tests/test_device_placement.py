@@ -1,0 +1,257 @@
+"""Placement on emulated devices with real llama.cpp (CPU): the parameters a placement puts into
+``llama_model_params``, the registry and the HTTP front's model pool charging the chosen device's ledger (a split
+plan charging each device its share), refusals that leave nothing charged, the batched socket service's contexts
+going where their model is, and prefix-affinity routing between two engines of one model on two devices.
+
+On a CPU build llama.cpp accepts ``main_gpu`` / ``split_mode`` / ``tensor_split`` and places nothing, so what is
+tested is what reaches ``llama_model_params`` and what each device's ledger is charged, never a fake GPU. Weight
+charges come from a table (the registry's ``model_vram``) so every number is known exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kvrt.accounting.devices import DeviceLedgers, DevicesDenied
+from kvrt.accounting.estimate import ModelShape, context_estimate
+from kvrt.accounting.ledger import VramLedger
+from kvrt.accounting.placement import FreeMemoryPolicy, Placement
+from kvrt.bindings import ffi, lib
+from kvrt.engine.generation import GenerationParams
+from kvrt.engine.model import SPLIT_MODES, Model, ModelParams
+from kvrt.errors import InvalidArgument, KvrtError
+from kvrt.modelfiles.testmodels import write_model
+from kvrt.runtime.admission import EngineConfig
+from kvrt.runtime.batching import Engine
+from kvrt.runtime.requests import Request
+from kvrt.serve.batched import BatchConfig, BatchedScheduler
+from kvrt.serve.device_routing import route
+from kvrt.serve.model_pool import ModelPool
+from kvrt.serve.registry import ModelRegistry
+from kvrt.serve.scheduler import Scheduler
+
+WEIGHTS = 1 << 20
+CONFIG = EngineConfig(n_ctx=512, n_seq_max=2, n_batch=64, flash_attn="off", host_bytes=0)
+WAIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two tiny models (a, b: different weights) and ``big`` (the table makes it larger than one device)."""
+    folder = tmp_path_factory.mktemp("device-models")
+    for seed, name in enumerate(("a", "b", "big")):
+        write_model(folder / f"{name}.gguf", "tiny", seed=seed)
+    return folder
+
+
+def context_bytes(models_dir: Path) -> int:
+    return context_estimate(ModelShape.read(models_dir / "a.gguf"), CONFIG.n_ctx, CONFIG.n_ubatch).total_bytes
+
+
+def device_set(*capacities: int) -> DeviceLedgers:
+    return DeviceLedgers({i: VramLedger(c) for i, c in enumerate(capacities)})
+
+
+def registry_on(devices: DeviceLedgers, table: dict[str, int]) -> ModelRegistry:
+    return ModelRegistry(devices.ledger(devices.indices[0]), table=table, measure=False, devices=devices)
+
+
+def allocated(devices: DeviceLedgers) -> dict[int, int]:
+    return {i: devices.ledger(i).allocated_bytes for i in devices.indices}
+
+
+# -- what reaches llama_model_params -----------------------------------------------------------------------------------
+def test_a_split_placement_reaches_llama_model_params_padded_to_every_device():
+    plan = Placement((1, 0), (300, 100))
+    params, keep = ModelParams(**plan.model_params()).to_c()
+    assert params.main_gpu == 1 and params.split_mode == SPLIT_MODES["layer"]
+    most = int(lib().llama_max_devices())
+    split = [params.tensor_split[i] for i in range(most)]  # llama.cpp reads one per device it has: all must exist
+    assert split[:2] == [0.25, 0.75] and split[2:] == [0.0] * (most - 2)
+    assert keep == params.tensor_split
+
+
+def test_a_single_device_placement_reaches_llama_model_params():
+    params, keep = ModelParams(**Placement.on(2).model_params()).to_c()
+    assert params.main_gpu == 2 and params.split_mode == SPLIT_MODES["none"] and params.tensor_split == ffi.NULL
+    assert keep == ffi.NULL
+
+
+def test_a_tensor_split_longer_than_llama_cpp_takes_is_refused():
+    most = int(lib().llama_max_devices())
+    with pytest.raises(KvrtError, match=f"tensor_split has {most + 1} proportions; this llama.cpp takes at most "
+                                        f"{most} devices"):
+        ModelParams(tensor_split=(1.0,) * (most + 1)).to_c()
+
+
+def test_a_cpu_build_accepts_a_placement_and_computes_the_same(tiny_model_path: Path, tiny_model: Model):
+    plan = Placement((1, 0), (1, 1))
+    with Model(tiny_model_path, **plan.model_params()) as placed:
+        assert (placed.params.main_gpu, placed.params.split_mode, placed.params.tensor_split) == (1, "layer",
+                                                                                                   (0.5, 0.5))
+        prompt = [1, 2, 3, 4, 5]
+        config = EngineConfig(n_ctx=256, n_seq_max=1, n_batch=64, flash_attn="off", host_bytes=0)
+        outputs = []
+        for model in (placed, tiny_model):
+            with Engine(model, config) as engine:
+                request = Request(prompt, GenerationParams(max_tokens=6))
+                outputs.append(engine.submit(request).result(WAIT_S).choices[0].tokens)
+        assert outputs[0] == outputs[1]
+
+
+# -- the registry ------------------------------------------------------------------------------------------------------
+def test_models_go_to_the_device_with_the_most_room_and_are_charged_there(models_dir: Path):
+    devices = device_set(3 * WEIGHTS, 4 * WEIGHTS)
+    registry = registry_on(devices, {"a.gguf": WEIGHTS, "b.gguf": 2 * WEIGHTS})
+    try:
+        a = registry.acquire(models_dir / "a.gguf")  # 3 MiB vs 4 MiB free: device 1
+        assert a.placement == Placement.on(1) and a.model.params.main_gpu == 1 and a.model.params.split_mode == "none"
+        b = registry.acquire(models_dir / "b.gguf")  # now 3 MiB vs 3 MiB: the lowest index
+        assert b.placement == Placement.on(0)
+        assert allocated(devices) == {0: 2 * WEIGHTS, 1: WEIGHTS}
+        assert devices.ledger(1).snapshot().by_owner == {"model:a.gguf": WEIGHTS}
+        again = registry.acquire(models_dir / "a.gguf")  # shared where it is, nothing charged twice
+        assert again is a and allocated(devices) == {0: 2 * WEIGHTS, 1: WEIGHTS}
+        registry.release(again)
+        registry.release(a)
+        registry.release(b)
+        assert allocated(devices) == {0: 0, 1: 0}
+    finally:
+        registry.close()
+
+
+def test_a_model_bigger_than_one_device_is_split_and_each_device_charged_its_share(models_dir: Path):
+    devices = device_set(4 * WEIGHTS, 2 * WEIGHTS)
+    registry = registry_on(devices, {"big.gguf": 5 * WEIGHTS})
+    try:
+        big = registry.acquire(models_dir / "big.gguf")
+        assert big.placement is not None and big.placement.split and big.placement.devices == (0, 1)
+        assert big.model.params.split_mode == "layer" and big.model.params.main_gpu == 0
+        assert big.model.params.tensor_split == pytest.approx((2 / 3, 1 / 3))
+        charged = allocated(devices)
+        assert charged == {0: 5 * WEIGHTS * 2 // 3, 1: 5 * WEIGHTS - 5 * WEIGHTS * 2 // 3}  # shares 2:1, exact sum
+        registry.release(big)
+        assert allocated(devices) == {0: 0, 1: 0}
+    finally:
+        registry.close()
+
+
+def test_a_model_nothing_can_hold_is_refused_naming_each_device_and_nothing_stays_charged(models_dir: Path):
+    devices = device_set(2 * WEIGHTS, 2 * WEIGHTS)
+    registry = registry_on(devices, {"a.gguf": WEIGHTS, "big.gguf": 4 * WEIGHTS})
+    try:
+        a = registry.acquire(models_dir / "a.gguf")
+        before = allocated(devices)
+        with pytest.raises(DevicesDenied) as refused:
+            registry.acquire(models_dir / "big.gguf")
+        message = str(refused.value)
+        assert f"device 0: {WEIGHTS} B free of max {2 * WEIGHTS} B ({WEIGHTS} B allocated)" in message
+        assert f"device 1: {2 * WEIGHTS} B free of max {2 * WEIGHTS} B (0 B allocated)" in message
+        assert allocated(devices) == before and [e.path.name for e in registry.models()] == ["a.gguf"]
+        registry.release(a)
+    finally:
+        registry.close()
+
+
+def test_per_agent_contexts_refuse_a_device_set():
+    devices = device_set(WEIGHTS)
+    with pytest.raises(InvalidArgument, match="needs the batched service"):
+        Scheduler(devices.ledger(0), registry_on(devices, {}))
+
+
+# -- the HTTP front's pool ---------------------------------------------------------------------------------------------
+@pytest.fixture()
+def pool_on_devices(models_dir: Path) -> Iterator[tuple[ModelPool, DeviceLedgers]]:
+    room = WEIGHTS + context_bytes(models_dir)  # one model with its engine's context
+    devices = device_set(room + room // 2, room + room // 4)
+    registry = registry_on(devices, {"a.gguf": WEIGHTS, "b.gguf": WEIGHTS, "big.gguf": room + room // 2})
+    pool = ModelPool(registry, CONFIG, models_dir=models_dir)
+    try:
+        yield pool, devices
+    finally:
+        pool.close()
+        registry.close()
+    assert allocated(devices) == {0: 0, 1: 0}
+
+
+def test_the_pool_places_weights_and_context_together_on_a_device(pool_on_devices, models_dir: Path):
+    pool, devices = pool_on_devices
+    cells = context_bytes(models_dir)
+    pool.load("a").result(WAIT_S)
+    pool.load("b").result(WAIT_S)
+    state = pool.ledger_state()
+    assert state is not None and state["placements"] == {"a": "device 0", "b": "device 1"}
+    assert state["devices"]["0"]["by_owner"] == {"http:a": cells, "model:a.gguf": WEIGHTS}
+    assert state["devices"]["1"]["by_owner"] == {"http:b": cells, "model:b.gguf": WEIGHTS}
+    held = pool.hold("b")
+    assert held is not None
+    engine, release = held
+    assert engine.submit(Request([1, 2, 3], GenerationParams(max_tokens=3))).result(WAIT_S).choices[0].tokens
+    release()
+
+
+def test_the_pool_splits_what_one_device_cannot_hold(pool_on_devices, models_dir: Path):
+    pool, devices = pool_on_devices
+    pool.load("big").result(WAIT_S)  # 1.5 rooms + a context over 1.5 + 1.25 rooms: split by free memory
+    state = pool.ledger_state()
+    assert state is not None and state["placements"]["big"].startswith("split over device 0")
+    charged = allocated(devices)
+    assert all(0 < charged[d] <= devices.ledger(d).max_bytes for d in (0, 1))
+    room = WEIGHTS + context_bytes(models_dir)
+    assert sum(charged.values()) == room + room // 2 + context_bytes(models_dir)
+
+
+def test_the_pool_refuses_with_every_device_and_unloads_only_idle_models(pool_on_devices, models_dir: Path):
+    pool, devices = pool_on_devices
+    pool.load("a").result(WAIT_S)
+    held = pool.hold("a")  # busy: never unloaded to make room
+    assert held is not None
+    before = allocated(devices)
+    with pytest.raises(DevicesDenied) as refused:
+        pool.load("big").result(WAIT_S)
+    assert "device 0:" in str(refused.value) and "device 1:" in str(refused.value)
+    assert allocated(devices) == before and pool.is_loaded("a")
+    held[1]()
+
+
+# -- the socket front's batched service --------------------------------------------------------------------------------
+def test_a_batched_models_shared_context_is_charged_where_the_model_is(models_dir: Path):
+    devices = device_set(64 * WEIGHTS, 64 * WEIGHTS)
+    registry = registry_on(devices, {"a.gguf": WEIGHTS, "b.gguf": WEIGHTS})
+    config = BatchConfig(n_ctx=512, n_seq_max=2, n_threads=1, flash_attn="off", host_bytes=0)
+    try:
+        with BatchedScheduler(devices.ledger(0), registry, config=config) as scheduler:
+            scheduler.register("x", models_dir / "a.gguf", 256)
+            scheduler.register("y", models_dir / "b.gguf", 256)
+            owners = {d: devices.ledger(d).snapshot().by_owner for d in devices.indices}
+            assert set(owners[0]) == {"model:a.gguf", "batch:a.gguf"}
+            assert set(owners[1]) == {"model:b.gguf", "batch:b.gguf"}
+            assert scheduler.decode("y", [1, 2, 3], 3).tokens
+        assert allocated(devices) == {0: 0, 1: 0}
+    finally:
+        registry.close()
+
+
+# -- prefix affinity ---------------------------------------------------------------------------------------------------
+def test_an_agent_goes_to_the_device_that_holds_its_history(tiny_model_path: Path):
+    config = EngineConfig(n_ctx=512, n_seq_max=2, n_batch=64, flash_attn="off", host_bytes=0)
+    models = {d: Model(tiny_model_path, **Placement.on(d).model_params()) for d in (0, 1)}
+    engines = {d: Engine(models[d], config) for d in (0, 1)}
+    policy, free = FreeMemoryPolicy(), {0: 1 << 30, 1: 1 << 30}
+    try:
+        history = [1, 5, 9, 13, 17, 21, 25, 29]
+        assert route(engines, history, policy, free) == 0  # nothing cached anywhere: the least loaded, lowest index
+        turn = engines[1].submit(Request(history, GenerationParams(max_tokens=4), agent="ada")).result(WAIT_S)
+        said = turn.choices[0].tokens
+        next_turn = history + said + [7, 8]
+        assert engines[1].cached_prefix(next_turn).result(WAIT_S) >= len(history)
+        assert engines[0].cached_prefix(next_turn).result(WAIT_S) == 0
+        assert route(engines, next_turn, policy, free) == 1  # where its history is, though both are idle
+        assert route(engines, [2, 4, 6, 8], policy, free) == 0  # a stranger: least loaded, lowest index
+    finally:
+        for engine in engines.values():
+            engine.close()
+        for model in models.values():
+            model.close()
