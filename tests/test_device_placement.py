@@ -39,9 +39,9 @@ WAIT_S = 60.0
 
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two tiny models (a, b: different weights) and ``big`` (the table makes it larger than one device)."""
+    """Three tiny models (a, b, c: different weights) and ``big`` (the table makes it larger than one device)."""
     folder = tmp_path_factory.mktemp("device-models")
-    for seed, name in enumerate(("a", "b", "big")):
+    for seed, name in enumerate(("a", "b", "c", "big")):
         write_model(folder / f"{name}.gguf", "tiny", seed=seed)
     return folder
 
@@ -155,6 +155,50 @@ def test_a_model_nothing_can_hold_is_refused_naming_each_device_and_nothing_stay
         registry.close()
 
 
+def test_an_emulated_devices_derived_charge_becomes_llama_cpps_size_by_the_shares(models_dir: Path):
+    devices = device_set(2 << 20, 2 << 20)  # the tiny model's ~2.9 MB cannot sit on one: split
+    registry = registry_on(devices, {})
+    try:
+        entry = registry.acquire(models_dir / "a.gguf")
+        assert entry.estimate_source == "derived" and entry.placement is not None and entry.placement.split
+        assert entry.measured_bytes == entry.model.size_bytes
+        assert allocated(devices) == entry.placement.charges(entry.model.size_bytes)
+        registry.release(entry)
+        assert allocated(devices) == {0: 0, 1: 0}
+    finally:
+        registry.close()
+
+
+def test_on_gpus_each_devices_charge_becomes_what_that_gpu_gave_up(models_dir: Path, monkeypatch):
+    """llama.cpp's GPU readings replaced (a CPU machine has none): the load takes 300 B of GPU 0 and 100 B of GPU 1,
+    and GPU 2, outside the placement, changes too; each device's reservation becomes its own reading."""
+    from kvrt.serve import registry as registry_module
+    from kvrt.system.gpu import Device
+
+    free = [10**9, 10**9, 10**9]
+    monkeypatch.setattr("kvrt.accounting.estimate.llama_gpu_devices", lambda: [
+        Device(i + 1, f"CUDA{i}", "fake", "gpu", f, 10**9) for i, f in enumerate(free)])
+
+    def loading(*args, **kwargs):
+        model = Model(*args, **kwargs)
+        free[0] -= 300
+        free[1] -= 100
+        free[2] -= 7
+        return model
+
+    monkeypatch.setattr(registry_module, "Model", loading)
+    devices = DeviceLedgers({0: VramLedger(2 << 20), 1: VramLedger(2 << 20)})
+    registry = ModelRegistry(devices.ledger(0), measure=True, devices=devices)
+    try:
+        entry = registry.acquire(models_dir / "a.gguf")
+        assert entry.placement is not None and entry.placement.split
+        assert allocated(devices) == {0: 300, 1: 100} and entry.measured_bytes == 400
+        registry.release(entry)
+        assert allocated(devices) == {0: 0, 1: 0}
+    finally:
+        registry.close()
+
+
 def test_per_agent_contexts_refuse_a_device_set():
     devices = device_set(WEIGHTS)
     with pytest.raises(InvalidArgument, match="needs the batched service"):
@@ -166,7 +210,8 @@ def test_per_agent_contexts_refuse_a_device_set():
 def pool_on_devices(models_dir: Path) -> Iterator[tuple[ModelPool, DeviceLedgers]]:
     room = WEIGHTS + context_bytes(models_dir)  # one model with its engine's context
     devices = device_set(room + room // 2, room + room // 4)
-    registry = registry_on(devices, {"a.gguf": WEIGHTS, "b.gguf": WEIGHTS, "big.gguf": room + room // 2})
+    registry = registry_on(devices, {"a.gguf": WEIGHTS, "b.gguf": WEIGHTS, "c.gguf": WEIGHTS,
+                                     "big.gguf": room + room // 2})
     pool = ModelPool(registry, CONFIG, models_dir=models_dir)
     try:
         yield pool, devices
@@ -213,6 +258,21 @@ def test_the_pool_refuses_with_every_device_and_unloads_only_idle_models(pool_on
         pool.load("big").result(WAIT_S)
     assert "device 0:" in str(refused.value) and "device 1:" in str(refused.value)
     assert allocated(devices) == before and pool.is_loaded("a")
+    held[1]()
+
+
+def test_an_idle_model_is_unloaded_to_make_room_on_a_device_set(pool_on_devices, models_dir: Path):
+    pool, devices = pool_on_devices
+    pool.load("a").result(WAIT_S)  # device 0 (1.5 rooms), then b on device 1 (1.25 rooms)
+    pool.load("b").result(WAIT_S)
+    held = pool.hold("b")  # busy: never unloaded; a is idle
+    assert held is not None
+    pool.load("c").result(WAIT_S)  # 0.5 + 0.25 rooms left, not even split: a goes, c takes device 0
+    assert not pool.is_loaded("a") and pool.is_loaded("b") and pool.is_loaded("c")
+    state = pool.ledger_state()
+    assert state is not None and state["placements"] == {"b": "device 1", "c": "device 0"}
+    assert set(state["devices"]["0"]["by_owner"]) == {"model:c.gguf", "http:c"}
+    assert pool.describe()["a"]["unloads"] == 1
     held[1]()
 
 

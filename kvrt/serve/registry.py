@@ -64,8 +64,8 @@ class ModelRegistry:
     memory (whole pages; schedulers do the same for contexts). Off, the estimates stand: the choice
     where other processes allocate on the same GPU meanwhile and would be counted as kvrt's.
     ``devices``: place models over these devices (``policy`` decides where; see the module docstring); ``ledger``
-    is then the ledger single-ledger callers read, one of the set's. Weights charged to a device set stay the
-    estimate (a per-device measurement needs a GPU machine to be tested on).
+    is then the ledger single-ledger callers read, one of the set's. There a derived estimate is corrected per
+    device: to what each GPU gave up (``measure``), or on emulated devices llama.cpp's size by the placement's shares.
     """
 
     def __init__(self, ledger: VramLedger, *, n_gpu_layers: int = -1, table: dict[str, int] | None = None,
@@ -157,12 +157,24 @@ class ModelRegistry:
             placement = self.policy.place(estimate, devices.free_bytes(), owner=owner, snapshots=devices.snapshots())
         charge = devices.reserve(placement.charges(estimate), owner)
         try:
+            meter = DeviceMeter(self.measure)
             model = Model(path, n_gpu_layers=self.n_gpu_layers, use_extra_bufts=self.use_extra_bufts,
                           **placement.model_params())
         except BaseException:
             devices.release(charge)
             raise
-        entry = LoadedModel(path, model, shape, charge, estimate, source, placement=placement)
+        measured = meter.delta_by_device()
+        if measured is None and not self.on_gpu:  # emulated devices: llama.cpp's count, by the placement's shares
+            measured = placement.charges(model.size_bytes)
+        taken = {device: measured.get(device, 0) for device in charge} if measured is not None else None
+        entry = LoadedModel(path, model, shape, charge, estimate, source, placement=placement,
+                            measured_bytes=sum(taken.values()) if taken is not None else None)
+        if taken is not None and source == "derived":
+            for device, reservation in charge.items():
+                try:
+                    devices.ledger(device).resize(reservation, taken[device])
+                except LedgerDenied:
+                    pass  # that device gave more than admitted and the rest is taken: its estimate stays
         self._models[path] = entry
         return entry
 
