@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 from kvrt.accounting.devices import DeviceLedgers, DevicesDenied
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import VramLedger
@@ -28,7 +32,7 @@ from kvrt.runtime.batching import Engine
 from kvrt.runtime.requests import Request
 from kvrt.serve.batched import BatchConfig, BatchedScheduler
 from kvrt.serve.device_routing import route
-from kvrt.serve.model_pool import ModelPool
+from kvrt.serve.model_pool import ModelBusy, ModelPool
 from kvrt.serve.registry import ModelRegistry
 from kvrt.serve.scheduler import Scheduler
 
@@ -315,3 +319,82 @@ def test_an_agent_goes_to_the_device_that_holds_its_history(tiny_model_path: Pat
             engine.close()
         for model in models.values():
             model.close()
+
+
+# -- the pool's books on a device set, under random loads, holds and unloads ---------------------------------------
+class PoolOnDevices(RuleBasedStateMachine):
+    """Loads (unloading idle models least recently used first), holds, releases and unloads in any order, with real
+    tiny models on two emulated devices: each device's reservations stay within its capacity, every loaded model's
+    weights and context are charged on its placement's devices (by its shares) and nowhere else, a refusal charges
+    nothing, and closing the pool gives every byte back."""
+
+    models_dir: Path
+
+    def __init__(self) -> None:
+        super().__init__()
+        room = WEIGHTS + context_bytes(self.models_dir)
+        self.devices = device_set(room + room // 2, room + room // 4)
+        self.registry = registry_on(self.devices, {"a.gguf": WEIGHTS, "b.gguf": WEIGHTS, "c.gguf": WEIGHTS,
+                                                   "big.gguf": room + room // 2})
+        self.pool = ModelPool(self.registry, CONFIG, models_dir=self.models_dir)
+        self.holds: list[tuple[str, Any]] = []
+
+    @rule(name=st.sampled_from(["a", "b", "c", "big"]))
+    def load(self, name):
+        before = allocated(self.devices)
+        try:
+            self.pool.load(name).result(WAIT_S)
+        except DevicesDenied:  # idle models may have been unloaded for it; nothing of it stays charged
+            assert not self.pool.is_loaded(name)
+            assert all(allocated(self.devices)[d] <= before[d] for d in before)
+            return
+        assert self.pool.is_loaded(name)
+
+    @rule(name=st.sampled_from(["a", "b", "c", "big"]))
+    def hold(self, name):
+        held = self.pool.hold(name)
+        if held is not None:
+            self.holds.append((name, held[1]))
+
+    @precondition(lambda self: self.holds)
+    @rule(pick=st.integers(0, 100))
+    def let_go(self, pick):
+        _, release = self.holds.pop(pick % len(self.holds))
+        release()
+
+    @rule(name=st.sampled_from(["a", "b", "c", "big"]))
+    def unload(self, name):
+        busy = any(n == name for n, _ in self.holds)
+        try:
+            self.pool.unload(name)
+        except ModelBusy:
+            assert busy
+            return
+        assert not busy and not self.pool.is_loaded(name)
+
+    @invariant()
+    def books(self):
+        expected = {d: 0 for d in self.devices.indices}
+        cells = context_bytes(self.models_dir)
+        for entry in self.registry.models():
+            assert entry.placement is not None
+            for device, nbytes in entry.placement.charges(entry.reservation.nbytes).items():
+                expected[device] += nbytes
+            for device, nbytes in entry.placement.charges(cells).items():
+                expected[device] += nbytes  # the pool's engine context: every resident model here is loaded
+        assert allocated(self.devices) == expected
+        for device in self.devices.indices:
+            assert self.devices.ledger(device).allocated_bytes <= self.devices.ledger(device).max_bytes
+
+    def teardown(self):
+        for _, release in self.holds:
+            release()
+        self.pool.close()
+        self.registry.close()
+        assert allocated(self.devices) == {0: 0, 1: 0}
+
+
+def test_the_pools_books_on_a_device_set_hold_under_any_sequence(models_dir: Path):
+    PoolOnDevices.models_dir = models_dir
+    run_state_machine_as_test(PoolOnDevices, settings=settings(max_examples=30, stateful_step_count=15,
+                                                                 deadline=None))
