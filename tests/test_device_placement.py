@@ -10,6 +10,8 @@ charges come from a table (the registry's ``model_vram``) so every number is kno
 
 from __future__ import annotations
 
+import http.client
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,7 @@ from kvrt.runtime.requests import Request
 from kvrt.serve.batched import BatchConfig, BatchedScheduler
 from kvrt.serve.device_routing import route
 from kvrt.serve.model_pool import ModelBusy, ModelPool
+from kvrt.serve.openai_server import OpenAIServer
 from kvrt.serve.registry import ModelRegistry
 from kvrt.serve.scheduler import Scheduler
 
@@ -398,3 +401,87 @@ def test_the_pools_books_on_a_device_set_hold_under_any_sequence(models_dir: Pat
     PoolOnDevices.models_dir = models_dir
     run_state_machine_as_test(PoolOnDevices, settings=settings(max_examples=30, stateful_step_count=15,
                                                                  deadline=None))
+
+
+# -- replicas: a model on several devices, an agent's request to the copy that holds its history ----------------------
+class Replicated:
+    """An OpenAI server over a pool with up to two copies of every model on two emulated devices of 4 and 5 rooms
+    (a room: ``a``'s weights and its engine's context); ``b`` needs 3.5 rooms, so one copy of it at most."""
+
+    def __init__(self, models_dir: Path) -> None:
+        room = WEIGHTS + context_bytes(models_dir)
+        self.devices = device_set(4 * room, 5 * room)
+        self.registry = registry_on(self.devices, {"a.gguf": WEIGHTS,
+                                                   "b.gguf": 3 * room + room // 2 - context_bytes(models_dir)})
+        self.pool = ModelPool(self.registry, CONFIG, models_dir=models_dir, replicas=2)
+        self.server = OpenAIServer(self.pool, default_max_tokens=4)
+        self.host, self.port = self.server.start("127.0.0.1", 0)
+
+    def complete(self, model: str, prompt: list[int], agent: str) -> dict[str, Any]:
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=WAIT_S)
+        try:
+            connection.request("POST", "/v1/completions",
+                               json.dumps({"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0}),
+                               {"content-type": "application/json", "X-Kvrt-Agent": agent})
+            response = connection.getresponse()
+            reply = json.loads(response.read())
+            assert response.status == 200, reply
+            return dict(reply)
+        finally:
+            connection.close()
+
+    def engines(self, name: str) -> dict[int, Engine]:
+        return self.pool._loaded[name].engines()
+
+    def close(self) -> None:
+        self.server.stop_accepting()
+        self.pool.close_engines()
+        self.server.stop()
+        self.pool.close()
+        self.registry.close()
+
+
+@pytest.fixture()
+def replicated(models_dir: Path) -> Iterator[Replicated]:
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    served = Replicated(models_dir)
+    try:
+        yield served
+    finally:
+        served.close()
+    assert allocated(served.devices) == {0: 0, 1: 0}
+
+
+def test_replicas_are_copies_on_other_devices_each_charged_there(replicated: Replicated, models_dir: Path):
+    replicated.pool.load("a").result(WAIT_S)
+    cells = context_bytes(models_dir)
+    state = replicated.pool.ledger_state()
+    assert state is not None and state["placements"] == {"a": "device 1 + device 0"}  # 5 rooms first, then 4
+    assert state["devices"]["1"]["by_owner"] == {"model:a.gguf": WEIGHTS, "http:a": cells}
+    assert state["devices"]["0"]["by_owner"] == {"model:a.gguf@0": WEIGHTS, "http:a@0": cells}
+    assert set(replicated.engines("a")) == {0, 1}
+    assert [e.path.name for e in replicated.registry.models()] == ["a.gguf", "a.gguf"]  # a private copy besides
+    assert replicated.pool.unload("a") and allocated(replicated.devices) == {0: 0, 1: 0}
+
+
+def test_an_agents_next_turn_goes_to_the_device_that_holds_its_history(replicated: Replicated):
+    history = [1, 5, 9, 13, 17, 21, 25, 29, 33, 37]
+    replicated.complete("a", history, "ada")  # nothing cached anywhere, both idle: the most free, device 1
+    engines = replicated.engines("a")
+    assert engines[1].cached_prefix(history).result(WAIT_S) == len(history)
+    assert engines[0].cached_prefix(history).result(WAIT_S) == 0
+    replicated.pool.load("b").result(WAIT_S)  # one copy, on device 1 (4 rooms free there, 3 on device 0)
+    assert replicated.pool.ledger_state()["placements"]["b"] == "device 1"  # type: ignore[index]
+    stranger = [2, 4, 6, 8, 10, 12]
+    replicated.complete("a", stranger, "bob")  # no history: equally idle, device 0 has the most free
+    assert engines[0].cached_prefix(stranger).result(WAIT_S) == len(stranger)
+    reused = engines[1].stats().reused_tokens
+    replicated.complete("a", history + [41, 45], "ada")  # device 0 would win on the numbers; its history is on 1
+    assert engines[1].stats().reused_tokens >= reused + len(history)
+    assert engines[0].cached_prefix(history).result(WAIT_S) == 0
+
+
+def test_replicas_need_a_device_set(models_dir: Path):
+    registry = ModelRegistry(VramLedger(1 << 30), measure=False)
+    with pytest.raises(KvrtError, match="2 replicas of a model need a device set"):
+        ModelPool(registry, CONFIG, models_dir=models_dir, replicas=2)

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.modelfiles.testmodels import write_model
 from kvrt.runtime.admission import EngineConfig
@@ -137,6 +136,7 @@ def test_a_model_no_device_can_hold_is_refused_at_start_naming_every_device(tmp_
     (("--http", "127.0.0.1:0", "--devices", "0:1GiB,0:2GiB"), "device 0 is given twice"),
     (("--http", "127.0.0.1:0", "--devices", "0:1GiB", "--capacity-bytes", "100"), "drop --capacity-bytes"),
     (("--socket", "SOCK", "--devices", "0:1GiB"), "--devices with --socket needs --batch-slots"),
+    (("--http", "127.0.0.1:0", "--replicas", "2"), "--replicas 2 needs --devices"),
 ])
 def test_bad_device_options_are_refused(tmp_path: Path, args, message):
     args = tuple(str(tmp_path / "kvrt.sock") if a == "SOCK" else a for a in args)
@@ -147,3 +147,32 @@ def test_bad_device_options_are_refused(tmp_path: Path, args, message):
 def test_the_help_documents_the_spec():
     done = subprocess.run([*KVRT, "serve", "--help"], capture_output=True, text=True, timeout=WAIT_S, env=ENV)
     assert "--devices SPEC" in done.stdout and "COUNTxSIZE" in " ".join(done.stdout.split())
+
+
+def test_replicas_put_a_copy_of_each_model_on_each_device(two_models):
+    a, _, table = two_models
+    room = WEIGHTS + http_context_bytes(a)
+    proc = subprocess.Popen(serve("--http", "127.0.0.1:0", "--model", str(a), "--vram-table", str(table),
+                                  "--devices", f"2x{2 * room}", "--replicas", "2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        found = re.search(r"http://([^/\s]+)/v1", proc.stdout.readline() if proc.stdout else "")
+        assert found, proc.stderr.read()[-2000:] if proc.stderr else ""
+        _, stats = call(found.group(1), "GET", "/v1/kvrt/stats")
+        ledger = stats["kvrt:ledger"]
+        assert ledger["placements"] == {"a": "device 0 + device 1"}
+        assert set(ledger["devices"]["1"]["by_owner"]) == {"model:a.gguf@1", "http:a@1"}
+        for agent in ("ada", "bob", "ada"):
+            host, port = found.group(1).rsplit(":", 1)
+            connection = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
+            connection.request("POST", "/v1/completions", json.dumps({"model": "a", "prompt": [1, 2, 3, 4],
+                                                                      "max_tokens": 3, "temperature": 0}),
+                               {"content-type": "application/json", "X-Kvrt-Agent": agent})
+            assert connection.getresponse().status == 200
+            connection.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=WAIT_S) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()

@@ -76,6 +76,10 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                             "answer says so: header X-Kvrt-Context-Shift, and a kvrt.context_shift field unstreamed)")
     group.add_argument("--keep-tokens", type=non_negative_int, default=1,
                        help="with --context-policy shift: the prompt's first tokens always kept (1: a BOS)")
+    group.add_argument("--replicas", type=positive_int, default=1,
+                       help="with --devices: load each model on up to this many devices (a copy of its weights and "
+                            "an engine each, only on devices that hold a whole copy); a request goes to the copy "
+                            "holding the longest prefix of its prompt (an agent's history), else the least loaded")
     group.add_argument("--request-timeout-s", type=seconds(zero=False), default=argparse.SUPPRESS,
                        help="end any request after this many seconds, finish_reason 'deadline' (none: no limit)")
 
@@ -127,7 +131,8 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
                           prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
                           flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout)
     agents = AgentBook(getattr(args, "state_dir", None))  # a state dir another process holds: refused before loading
-    pool = ModelPool(registry, config, models=dict(zip(names, paths)), models_dir=models_dir)
+    pool = ModelPool(registry, config, models=dict(zip(names, paths)), models_dir=models_dir,
+                     replicas=getattr(args, "replicas", 1))
     try:
         if not pool.names():
             raise KvrtError(f"--models-dir {models_dir}: no *.gguf files there, and no --model given")

@@ -72,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="admit against one ledger per device and place each model by free memory (a model "
                              "larger than any one device is split over several by layer, tensor_split proportional "
                              "to their free memory); SPEC: " + _devices_help() + ". The socket front needs "
-                             "--batch-slots with it. Without --devices: one ledger (--capacity-bytes or the GPU)")
+                             "--batch-slots with it; --replicas puts copies of each HTTP model on several. "
+                             "Without --devices: one ledger (--capacity-bytes or the GPU)")
     parser.add_argument("--vram-table", default=None, help="lmxd model_vram table overriding derived estimates")
     parser.add_argument("--reconcile-s", type=float, default=5.0, help="re-read NVML every this many seconds")
     parser.add_argument("--charge", choices=("measured", "estimated"), default="measured",
@@ -178,6 +179,8 @@ def _device_ledgers(args: argparse.Namespace) -> DeviceLedgers | None:
     """One ledger per ``--devices`` device (None without it); refused with --capacity-bytes, and for the socket
     front without --batch-slots (per-agent contexts swap against one ledger)."""
     if args.devices is None:
+        if args.replicas > 1:
+            raise KvrtError(f"--replicas {args.replicas} needs --devices: copies of a model go on other devices")
         return None
     if args.capacity_bytes is not None:
         raise KvrtError("--devices gives each device's size (INDEX:SIZE or COUNTxSIZE); drop --capacity-bytes")

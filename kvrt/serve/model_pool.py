@@ -24,9 +24,9 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable, ItemsView, Iterator, Mapping, ValuesView
+from collections.abc import Callable, ItemsView, Iterator, Mapping, Sequence, ValuesView
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from kvrt.runtime.admission import EngineConfig
 from kvrt.runtime.batching import Engine
 from kvrt.runtime.host_tier import HostMemory
 from kvrt.runtime.requests import EngineClosed
+from kvrt.serve.device_routing import route
 from kvrt.serve.registry import LoadedModel, ModelRegistry
 from kvrt.state.hostpool import host_memory
 
@@ -54,15 +55,32 @@ class ModelBusy(KvrtError):
 
 
 @dataclass
+class _Replica:
+    """A copy of a loaded model on another device (``--replicas``): its engine, its private weights, its context."""
+
+    engine: Engine
+    entry: LoadedModel
+    context: Reservation | DeviceCharge
+
+
+@dataclass
 class _Loaded:
     """A loaded model: its engine, the registry lease and context charge behind it (``None`` for an engine the
-    caller owns), the holds on it now, and when it was last held (a tick of the pool's clock: LRU order)."""
+    caller owns), the holds on it now, and when it was last held (a tick of the pool's clock: LRU order); its
+    copies on other devices, held, used and unloaded with it."""
 
     engine: Engine
     entry: LoadedModel | None
     context: Reservation | DeviceCharge | None
     used: int
     holds: int = 0
+    replicas: list[_Replica] = field(default_factory=list)
+
+    def engines(self) -> dict[int, Engine]:
+        """Every copy's engine by its device (the first copy's main device first)."""
+        main = self.entry.placement.main if self.entry is not None and self.entry.placement is not None else 0
+        return {main: self.engine, **{r.entry.placement.main: r.engine for r in self.replicas
+                                      if r.entry.placement is not None}}
 
 
 @dataclass
@@ -107,12 +125,18 @@ class ModelPool:
     ``models``: name -> path, loaded by :meth:`preload` (the caller's choice when); ``models_dir``: more, loaded
     on demand. ``registry`` and ``config`` make each engine (``host_memory`` gives its host tier's memory, pinned
     on a GPU by default). Use :meth:`fixed` for engines the caller made and keeps (no registry: nothing is loaded
-    or unloaded).
+    or unloaded). ``replicas`` (a registry on a device set only): each model loaded on up to that many devices,
+    one copy of its weights and one engine each, a request going to the copy :meth:`route` picks.
     """
 
     def __init__(self, registry: ModelRegistry | None, config: EngineConfig, *,
                  models: Mapping[str, Path] | None = None, models_dir: Path | None = None,
-                 host_memory: HostMemory = host_memory) -> None:
+                 host_memory: HostMemory = host_memory, replicas: int = 1) -> None:
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise KvrtError(f"replicas must be an integer >= 1, got {replicas!r}")
+        if replicas > 1 and (registry is None or registry.devices is None):
+            raise KvrtError(f"{replicas} replicas of a model need a device set to put them on (kvrt serve --devices)")
+        self.replicas = replicas
         self.registry = registry
         self.config = config
         self.models_dir = models_dir
@@ -304,7 +328,65 @@ class ModelPool:
                 registry.give_back(context)
                 registry.release(entry)
                 raise
-            return _Loaded(engine, entry, context, next(self._clock))
+            loaded = _Loaded(engine, entry, context, next(self._clock))
+            try:
+                self._add_replicas(name, loaded)
+            except BaseException:
+                self._free(loaded)
+                raise
+            return loaded
+
+    def _add_replicas(self, name: str, loaded: _Loaded) -> None:
+        """Copies of ``name`` on other devices, one each, until ``replicas`` copies or no other device holds one
+        whole (a copy is never split; a split model gets none); each copy's weights and context are charged to its
+        device like a first load."""
+        registry, entry = self.registry, loaded.entry
+        assert registry is not None and entry is not None
+        devices = registry.devices
+        if self.replicas == 1 or devices is None or entry.placement is None or entry.placement.split:
+            return
+        shape, weights = registry.copy_estimate(entry.path)
+        cells = context_estimate(shape, self.config.n_ctx, self.config.n_ubatch).total_bytes
+        while len(loaded.replicas) + 1 < self.replicas:
+            taken = set(loaded.engines())
+            free = {d: f for d, f in devices.free_bytes().items() if d not in taken and f >= weights + cells}
+            if not free:
+                log.info("model %s: %d of %d replicas (no other device has %d B free)", name,
+                         len(loaded.replicas) + 1, self.replicas, weights + cells)
+                return
+            placement = registry.policy.place(weights + cells, free, owner=f"http:{name}",
+                                              snapshots=devices.snapshots())
+            try:
+                context = devices.reserve(placement.charges(cells), f"http:{name}@{placement.main}")
+                try:
+                    copy = registry.load_copy(entry.path, placement)
+                except BaseException:
+                    registry.give_back(context)
+                    raise
+            except LedgerDenied as denied:  # taken meanwhile (the socket front): fewer copies, not a failed load
+                log.info("model %s: no replica on device %d: %s", name, placement.main, denied)
+                return
+            try:
+                engine = Engine(copy.model, self.config, host_memory=self._host_memory)
+            except BaseException:
+                registry.give_back(context)
+                registry.release(copy)
+                raise
+            loaded.replicas.append(_Replica(engine, copy, context))
+            log.info("model %s: a replica on device %d", name, placement.main)
+
+    def route(self, name: str, engine: Engine, tokens: Sequence[int]) -> Engine:
+        """The copy of ``name`` that should serve a request of ``tokens``, ``engine`` being the one its hold gave:
+        the one whose engine holds the longest prefix of them (an agent's history), else the least loaded
+        (:mod:`kvrt.serve.device_routing`). ``engine`` itself where the model has one copy."""
+        with self._lock:
+            loaded = self._loaded.get(name)
+        registry = self.registry
+        if loaded is None or not loaded.replicas or loaded.engine is not engine or registry is None \
+                or registry.devices is None:
+            return engine
+        engines = loaded.engines()
+        return engines[route(engines, tokens, registry.policy, registry.devices.free_bytes())]
 
     def _admit(self, name: str, path: Path, weights: int, cells: int) -> tuple[LoadedModel, Reservation | DeviceCharge]:
         """Charge ``name``'s context and lease its weights (charged by the registry unless resident), or raise
@@ -373,16 +455,24 @@ class ModelPool:
 
     @staticmethod
     def _idle(loaded: _Loaded) -> bool:
-        """No hold on it and nothing queued or running in its engine (lock held: no new hold can start)."""
+        """No hold on it and nothing queued or running in its engines (lock held: no new hold can start)."""
         if loaded.holds:
             return False
-        stats = loaded.engine.stats()
-        return stats.queued == 0 and stats.active == 0
+        for engine in loaded.engines().values():
+            stats = engine.stats()
+            if stats.queued or stats.active:
+                return False
+        return True
 
     def _free(self, loaded: _Loaded) -> None:
         """Close the engine, then give its context's charge and its model lease back (not for a caller's engine)."""
         if loaded.entry is None or self.registry is None:
             return
+        for replica in loaded.replicas:
+            replica.engine.close()
+            self.registry.give_back(replica.context)
+            self.registry.release(replica.entry)
+        loaded.replicas.clear()
         loaded.engine.close()
         if loaded.context is not None:
             self.registry.give_back(loaded.context)
@@ -408,7 +498,10 @@ class ModelPool:
             return None
         if self.registry.devices is not None:
             with self._lock:
-                placements = {name: loaded.entry.placement.describe() for name, loaded in self._loaded.items()
+                placements = {name: " + ".join([loaded.entry.placement.describe(),
+                                                *(r.entry.placement.describe() for r in loaded.replicas
+                                                  if r.entry.placement is not None)])
+                              for name, loaded in self._loaded.items()
                               if loaded.entry is not None and loaded.entry.placement is not None}
             return {"devices": self.registry.devices.state(), "placements": placements}
         snap = self.registry.ledger.snapshot()
@@ -419,7 +512,8 @@ class ModelPool:
         """End every loaded engine's requests (streams get their final event); :meth:`close` frees them."""
         with self._lock:
             self._closing = True
-            engines = [loaded.engine for loaded in self._loaded.values() if loaded.entry is not None]
+            engines = [engine for loaded in self._loaded.values() if loaded.entry is not None
+                       for engine in loaded.engines().values()]
         for engine in engines:
             engine.close()
 

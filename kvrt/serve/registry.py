@@ -81,6 +81,7 @@ class ModelRegistry:
         self.use_extra_bufts = use_extra_bufts
         self.table = dict(table or {})
         self._models: dict[Path, LoadedModel] = {}
+        self._copies: list[LoadedModel] = []  # replicas: private copies on other devices, never shared
         self._lock = threading.RLock()
         self._on_gpu: bool | None = None
 
@@ -107,6 +108,12 @@ class ModelRegistry:
         shape = ModelShape.read(resolved)
         return shape, self._weight_estimate(resolved, shape)[0]
 
+    def copy_estimate(self, path: str | os.PathLike[str]) -> tuple[ModelShape, int]:
+        """The header and the weight bytes a :meth:`load_copy` of ``path`` would reserve (resident or not)."""
+        resolved = Path(path).resolve()
+        shape = ModelShape.read(resolved)
+        return shape, self._weight_estimate(resolved, shape)[0]
+
     def acquire(self, path: str | os.PathLike[str], placement: Placement | None = None) -> LoadedModel:
         """The shared model at ``path``, loaded (after admission) on first use.
 
@@ -124,7 +131,8 @@ class ModelRegistry:
             shape = ModelShape.read(resolved)
             estimate, source = self._weight_estimate(resolved, shape)
             if self.devices is not None:
-                return self._load_placed(resolved, shape, estimate, source, placement)
+                entry = self._models[resolved] = self._load_placed(resolved, shape, estimate, source, placement)
+                return entry
             if placement is not None:
                 raise RegistryError(f"{resolved.name}: a placement needs a registry on a device set")
             reservation = self.ledger.try_reserve(estimate, f"model:{resolved.name}")
@@ -155,6 +163,13 @@ class ModelRegistry:
         owner = f"model:{path.name}"
         if placement is None:
             placement = self.policy.place(estimate, devices.free_bytes(), owner=owner, snapshots=devices.snapshots())
+        return self._placed(path, shape, estimate, source, placement, owner)
+
+    def _placed(self, path: Path, shape: ModelShape, estimate: int, source: str, placement: Placement,
+                owner: str) -> LoadedModel:
+        """Charge every device of ``placement`` its share, load, correct the charges (lock held); not recorded."""
+        devices = self.devices
+        assert devices is not None
         charge = devices.reserve(placement.charges(estimate), owner)
         try:
             meter = DeviceMeter(self.measure)
@@ -175,8 +190,21 @@ class ModelRegistry:
                     devices.ledger(device).resize(reservation, taken[device])
                 except LedgerDenied:
                     pass  # that device gave more than admitted and the rest is taken: its estimate stays
-        self._models[path] = entry
         return entry
+
+    def load_copy(self, path: str | os.PathLike[str], placement: Placement) -> LoadedModel:
+        """A private copy of ``path``'s model at ``placement`` (a replica on another device: its own weights,
+        charged there like a first load), never handed out by :meth:`acquire`; :meth:`release` frees it."""
+        if self.devices is None:
+            raise RegistryError(f"{Path(path).name}: a copy on another device needs a registry on a device set")
+        resolved = Path(path).resolve()
+        with self._lock:
+            shape = ModelShape.read(resolved)
+            estimate, source = self._weight_estimate(resolved, shape)
+            owner = f"model:{resolved.name}@{placement.main}"
+            entry = self._placed(resolved, shape, estimate, source, placement, owner)
+            self._copies.append(entry)
+            return entry
 
     def charge(self, entry: LoadedModel, nbytes: int, owner: str) -> Reservation | DeviceCharge:
         """Charge ``nbytes`` more of ``entry``'s memory (a context: its KV sits with its layers) where the model
@@ -196,6 +224,12 @@ class ModelRegistry:
     def release(self, entry: LoadedModel) -> None:
         """Drop one reference; the last one frees the model and its reservation."""
         with self._lock:
+            if any(copy is entry for copy in self._copies):
+                self._copies = [copy for copy in self._copies if copy is not entry]
+                entry.refcount = 0
+                entry.model.close()
+                self.give_back(entry.reservation)
+                return
             if self._models.get(entry.path) is not entry or entry.refcount <= 0:
                 raise RegistryError(f"model {entry.path.name} is not held by this registry (released twice?)")
             entry.refcount -= 1
@@ -206,13 +240,14 @@ class ModelRegistry:
 
     def models(self) -> list[LoadedModel]:
         with self._lock:
-            return list(self._models.values())
+            return [*self._models.values(), *self._copies]
 
     def close(self) -> None:
         """Free every model regardless of references (process shutdown)."""
         with self._lock:
-            for entry in self._models.values():
+            for entry in [*self._models.values(), *self._copies]:
                 entry.model.close()
                 self.give_back(entry.reservation)
                 entry.refcount = 0
             self._models.clear()
+            self._copies.clear()
