@@ -8,19 +8,19 @@ depends on time.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import numpy as np
 import pytest
+from test_batching import StepGate
+from test_batching import engine as batching_engine
 
-from kvrt.runtime.batching import Engine, EngineConfig
 from kvrt.engine.generation import GenerationParams
-from kvrt.runtime.host_tier import ALIGN, HostTier
-from kvrt.runtime.requests import Request
 from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import KvrtError
+from kvrt.runtime.batching import Engine
+from kvrt.runtime.host_tier import ALIGN, HostTier
+from kvrt.runtime.requests import Request
 
 WAIT_S = 60.0
 
@@ -29,37 +29,16 @@ def greedy(max_tokens: int) -> GenerationParams:
     return GenerationParams(max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0))
 
 
-class Gate:
-    """A ``before_step`` hook that holds the worker until :meth:`open`."""
-
-    def __init__(self) -> None:
-        self._open = threading.Event()
-
-    def __call__(self) -> None:
-        self._open.wait(WAIT_S)
-
-    def open(self) -> None:
-        self._open.set()
-
-
-@contextmanager
-def engine(model, gate: Gate | None = None, **config) -> Iterator[Engine]:
-    config = {"n_ctx": 1024, "n_seq_max": 2, "n_batch": 64, "prefill_chunk": 32, "flash_attn": "off",
-              "kv_layout": "split", **config}
-    eng = Engine(model, EngineConfig(**config), before_step=gate)
-    try:
-        yield eng
-    finally:
-        if gate is not None:
-            gate.open()
-        eng.close()
+def engine(model, gate: StepGate | None = None, **config) -> AbstractContextManager[Engine]:
+    """test_batching's engine, two slots in the split layout unless ``config`` says otherwise."""
+    return batching_engine(model, gate, **{"n_seq_max": 2, "kv_layout": "split", **config})
 
 
 def test_queued_requests_are_admitted_round_robin_by_agent(tiny_model):
     """One slot, everything queued before the first step: agent a's three requests do not all go before b's one
     or the anonymous one (first come first served would give a1 a2 a3 b1 c)."""
     order: list[str] = []
-    gate = Gate()
+    gate = StepGate()
     with engine(tiny_model, gate, n_seq_max=1, kv_layout="unified") as eng:
         streams = []
         for name, agent in [("a1", "a"), ("a2", "a"), ("a3", "a"), ("b1", "b"), ("c", None)]:
@@ -75,7 +54,7 @@ def test_queued_requests_are_admitted_round_robin_by_agent(tiny_model):
 
 def test_without_agents_the_queue_stays_first_come_first_served(tiny_model):
     order: list[int] = []
-    gate = Gate()
+    gate = StepGate()
     with engine(tiny_model, gate, n_seq_max=1, kv_layout="unified") as eng:
         streams = [eng.submit(Request(tiny_model.tokenize(f"prompt {i}"), greedy(2),
                                       at_end=lambda ctx, slot, tokens, i=i: order.append(i))) for i in range(4)]
@@ -155,7 +134,7 @@ def test_preload_runs_the_check_first_and_needs_a_host_tier(tiny_model):
 
 def test_at_end_is_not_called_for_a_cancelled_or_failed_request(tiny_model):
     calls: list[int] = []
-    gate = Gate()
+    gate = StepGate()
     with engine(tiny_model, gate) as eng:
         stream = eng.submit(Request(tiny_model.tokenize("cancel me"), greedy(50),
                                     at_end=lambda ctx, slot, tokens: calls.append(slot)))

@@ -32,6 +32,7 @@ import argparse
 import os
 import shlex
 import sys
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,8 @@ SIZE_OPTIONS = {"fanout": ("fanout_doc", "fanout_question", None, None),
                 "swarm": ("swarm_doc", "swarm_task", "swarm_turns", "swarm_append"),
                 "private": (None, "private_history", "private_turns", "private_append")}
 KVRT_COUNTERS = ("prefilled_tokens", "reused_tokens", "restored_tokens", "decoded_tokens", "steps", "busy_s",
-                 "decode_s", "admit_s", "fill_s", "sample_s", "host_cpu_s", "relayouts", "host_kept", "host_keep_s")
+                 "decode_s", "admit_s", "fill_s", "sample_s", "host_cpu_s", "relayouts", "host_kept", "host_keep_s",
+                 "micro_batches")
 CELL_ROUND = 256
 
 
@@ -107,6 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batched-bench", default=None,
                         help="llama-batched-bench binary (else $KVRT_BATCHED_BENCH, beside llama-server, PATH)")
     parser.add_argument("--kvrt-args", default="", help="more arguments for kvrt serve (one string)")
+    parser.add_argument("--step-trace", action="store_true",
+                        help="kvrt serve --step-trace: each workload's engine steps in OUT/steps/n<N>-r<round>-"
+                             "<workload>.jsonl (tools/step_trace_summary.py sums one up)")
     parser.add_argument("--server-args", default="", help="more arguments for llama-server (one string)")
     parser.add_argument("--start-timeout-s", type=float, default=300.0)
     parser.add_argument("--request-timeout-s", type=float, default=600.0)
@@ -155,10 +160,16 @@ def _skip_reason(arm: str, config: ServerConfig, sizes: Sizes) -> str | None:
     return None
 
 
-def _measure(arm: ServerArm, workload: Workload, timeout_s: float) -> tuple[dict[str, Any], list[TurnResult]]:
+def _measure(arm: ServerArm, workload: Workload, timeout_s: float,
+             trace: tuple[Path, Path] | None = None) -> tuple[dict[str, Any], list[TurnResult]]:
+    """Run ``workload`` on ``arm``: its row of figures and every turn. ``trace``: (the kvrt server's step trace
+    file, where this workload's steps go): the lines the workload added are copied out."""
     before = arm.kvrt_stats()
+    start = trace[0].stat().st_size if trace is not None and trace[0].exists() else 0
     wall, results = run_workload(arm, workload, timeout_s)
     after = arm.kvrt_stats()
+    if trace is not None and trace[0].exists():
+        _copy_steps(trace[0], start, after.get("steps", 0) - before.get("steps", 0), trace[1])
     s = workload.sizes
     row = turn_metrics(results, workload.n_agents, s.turns, s.gen, wall)
     row |= {f"kvrt_{k}": after[k] - before[k] for k in KVRT_COUNTERS if k in after}
@@ -175,22 +186,40 @@ def _measure(arm: ServerArm, workload: Workload, timeout_s: float) -> tuple[dict
     return row, results
 
 
+def _copy_steps(server_trace: Path, start: int, steps: int, to: Path, wait_s: float = 5.0) -> None:
+    """Copy the ``steps`` lines the server's trace has past byte ``start`` to ``to``. A step's line is written just
+    after its tokens went out, so the last one may land a moment after the workload's last answer: wait for it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with server_trace.open("rb") as whole:
+            whole.seek(start)
+            data = whole.read()
+        if data.count(b"\n") >= steps or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    to.parent.mkdir(parents=True, exist_ok=True)
+    to.write_bytes(b"".join(data.splitlines(keepends=True)[:steps]))
+
+
 def _step_times(row: dict[str, Any]) -> str:
     """kvrt's steps, phase by phase, in ms a step (EngineStats), and the layout it ended in."""
     per_step = {k: row[f"kvrt_{k}"] / row["kvrt_steps"] * 1e3 for k in ("busy_s", "decode_s", "admit_s", "fill_s",
                                                                        "sample_s", "host_cpu_s")}
     return (f"kvrt {row['kvrt_steps']} steps of {per_step['busy_s']:.1f} ms: decode {per_step['decode_s']:.1f}, "
             f"admit {per_step['admit_s']:.2f}, fill {per_step['fill_s']:.2f}, sample {per_step['sample_s']:.2f} "
-            f"(worker CPU {per_step['host_cpu_s']:.2f}); layout {row.get('kvrt_kv_layout')}, "
+            f"(worker CPU {per_step['host_cpu_s']:.2f}), "
+            f"{row.get('kvrt_micro_batches', 0) / row['kvrt_steps']:.2f} llama.cpp micro-batches; "
+            f"layout {row.get('kvrt_kv_layout')}, "
             f"{row.get('kvrt_relayouts', 0)} relayouts; {row.get('kvrt_host_kept', 0)} evicted slots copied to the "
             f"host tier in {row.get('kvrt_host_keep_s', 0.0):.2f} s, {row.get('kvrt_restored_tokens', 0)} tokens "
             "restored")
 
 
 def _make_arm(name: str, config: ServerConfig, args: argparse.Namespace, server: Path | None,
-              lib: Path) -> ServerArm:
+              lib: Path, trace_dir: Path | None = None) -> ServerArm:
     if name == "kvrt":
-        return kvrt_arm(replace(config, extra=shlex.split(args.kvrt_args)))
+        trace = ["--step-trace", str(trace_dir)] if trace_dir is not None else []
+        return kvrt_arm(replace(config, extra=shlex.split(args.kvrt_args) + trace))
     assert server is not None
     return llama_server_arm(replace(config, extra=shlex.split(args.server_args)), server, lib,
                             unified=name == "llama-server-unified", name=name)
@@ -213,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
     server = find_llama_server(args.llama_server) if any(a.startswith("llama-server") for a in arms) else None
     bench = find_batched_bench(args.batched_bench, server) if server else None
     out = Path(args.out) / "peer"
+    trace_dir = out / "steps" / "server" if args.step_trace else None  # the kvrt server's own file, sliced per workload
     (out / "logs").mkdir(parents=True, exist_ok=True)
     vocabulary = safe_vocabulary(path)
     results: dict[str, Any] = {
@@ -238,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         ran = [a for a in arms if a != ROOMY or short]  # the roomy arm only where llama-server cannot run
         for k in range(args.rounds):
             for name in ran if k % 2 == 0 else ran[::-1]:
-                arm = _make_arm(name, roomy if name == ROOMY else config, args, server, lib)
+                arm = _make_arm(name, roomy if name == ROOMY else config, args, server, lib, trace_dir)
                 with arm:
                     arm.start(out / "logs" / f"{name}-n{n}-r{k}.log", args.start_timeout_s)
                     results["libraries"][name] = arm.libraries
@@ -250,7 +280,10 @@ def run(args: argparse.Namespace) -> int:
                             log(f"  {name:>20} {wname:>8}: skipped ({reason})")
                             rows.append(base | {"skipped": reason})
                             continue
-                        row, turns = _measure(arm, workload, args.request_timeout_s)
+                        trace = ((trace_dir / f"{path.stem}.jsonl",
+                                  out / "steps" / f"n{n}-r{k}-{wname}.jsonl")
+                                 if trace_dir is not None and name == "kvrt" else None)
+                        row, turns = _measure(arm, workload, args.request_timeout_s, trace)
                         rows.append(base | row)
                         replies[(n, wname, name)] = turns
                         requests += [base | _request_row(r) for r in turns]

@@ -80,6 +80,10 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                        help="with --devices: load each model on up to this many devices (a copy of its weights and "
                             "an engine each, only on devices that hold a whole copy); a request goes to the copy "
                             "holding the longest prefix of its prompt (an agent's history), else the least loaded")
+    group.add_argument("--step-trace", metavar="DIR", default=None,
+                       help="write a line of JSON per engine step to DIR/MODEL.jsonl: the batch's decode rows, prompt "
+                            "chunks, llama.cpp micro-batches and each phase's milliseconds (kvrt.runtime.step_trace; "
+                            "tools/step_trace_summary.py sums a file up; a replica's is DIR/MODEL@DEVICE.jsonl)")
     group.add_argument("--request-timeout-s", type=seconds(zero=False), default=argparse.SUPPRESS,
                        help="end any request after this many seconds, finish_reason 'deadline' (none: no limit)")
 
@@ -131,8 +135,9 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
                           prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
                           flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout)
     agents = AgentBook(getattr(args, "state_dir", None))  # a state dir another process holds: refused before loading
+    trace_dir = Path(args.step_trace) if getattr(args, "step_trace", None) else None
     pool = ModelPool(registry, config, models=dict(zip(names, paths)), models_dir=models_dir,
-                     replicas=getattr(args, "replicas", 1))
+                     step_trace_dir=trace_dir, replicas=getattr(args, "replicas", 1))
     try:
         if not pool.names():
             raise KvrtError(f"--models-dir {models_dir}: no *.gguf files there, and no --model given")

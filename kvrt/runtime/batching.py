@@ -59,6 +59,7 @@ from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.decode_step import Feed, fill, greedy_picks
 from kvrt.engine.generation import GenerationParams
+from kvrt.engine.micro_batches import count_micro_batches
 from kvrt.engine.model import Model
 from kvrt.engine.sampling import SEEDS, Sampler
 from kvrt.errors import DecodeError, KvrtError
@@ -77,6 +78,7 @@ from kvrt.runtime.requests import (
     RequestStream,
     RequestTooLarge,
 )
+from kvrt.runtime.step_trace import StepRecord, StepTrace
 from kvrt.state.hostpool import host_memory
 
 log = logging.getLogger(__name__)
@@ -121,6 +123,10 @@ class _Row:
     p0: int = 0
     p1: int = 0
 
+    @property
+    def seq(self) -> int:
+        return self.choice.slot if self.choice is not None else self.live.slot
+
 
 class Engine:
     """Continuous batching over one model (see the module docstring); use as a context manager.
@@ -131,10 +137,11 @@ class Engine:
 
     def __init__(self, model: Model, config: EngineConfig | None = None, *,
                  before_step: Callable[[], None] | None = None, host_memory: HostMemory = host_memory,
-                 **overrides: Any) -> None:
+                 trace: StepTrace | None = None, **overrides: Any) -> None:
         self.config = replace(config or EngineConfig(), **overrides)
         self.model = model
         self.before_step = before_step
+        self.trace = trace
         self.ctx = Context(model, self.config.context_params(self.config.starts_shared()))
         try:
             tier = HostTier(self.config.host_bytes, memory=host_memory) if self.config.host_bytes else None
@@ -152,6 +159,7 @@ class Engine:
         self._wake = threading.Event()
         self._closing = False
         self._steps = self._prefilled = self._reused = self._restored = self._decoded = self._relayouts = 0
+        self._micro_batches = 0
         self._switch_to: bool | None = None  # the layout (shared?) the worker recreates the context in next
         self._idle_since: float | None = None  # when the worker last found nothing to decode (None: busy)
         self._clock = _StepClock()
@@ -243,7 +251,7 @@ class Engine:
             decode_s=clock.decode_s, admit_s=clock.admit_s, fill_s=clock.fill_s, sample_s=clock.sample_s,
             host_cpu_s=clock.host_cpu_s, queued=queued, active=len(self._live), used_cells=cache.used_cells,
             n_cells=cache.n_cells, slots=tuple(cache.describe()), kv_layout="unified" if cache.shared else "split",
-            slot_cells=cache.slot_cells, relayouts=self._relayouts)
+            slot_cells=cache.slot_cells, relayouts=self._relayouts, micro_batches=self._micro_batches)
 
     def close(self) -> None:
         """Stop the worker; waiting and running requests end with :class:`EngineClosed`."""
@@ -258,6 +266,8 @@ class Engine:
         self.ctx.close()
         if self.cache.host is not None:
             self.cache.host.close()
+        if self.trace is not None:
+            self.trace.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -332,9 +342,29 @@ class Engine:
         t_sample, cpu_sample = time.perf_counter(), time.thread_time()
         if decoded:
             self._sample(rows)
-        self._clock.add(t0, t_fill, t_decode, t_sample, time.perf_counter(),
-                        cpu_decode - cpu0 + time.thread_time() - cpu_sample)
+        t_end, host_cpu = time.perf_counter(), cpu_decode - cpu0 + time.thread_time() - cpu_sample
+        self._clock.add(t0, t_fill, t_decode, t_sample, t_end, host_cpu)
+        if decoded:
+            self._account(rows, (t0, t_fill, t_decode, t_sample, t_end), host_cpu)
         return True
+
+    def _account(self, rows: list[_Row], times: tuple[float, float, float, float, float], host_cpu: float) -> None:
+        """Count the micro-batches llama.cpp split this step's batch into; with a trace, write the step's line."""
+        shape = sorted((r.seq, r.p1 - r.p0) for r in rows)  # fill's by_seq order (unified: any order counts alike)
+        micro = count_micro_batches(shape, self.ctx.params.n_ubatch, per_stream=not self.cache.shared)
+        self._micro_batches += micro
+        if self.trace is None:
+            return
+        t0, t_fill, t_decode, t_sample, t_end = times
+        prompt = [r.p1 - r.p0 for r in rows if r.choice is None]
+        with self._lock:
+            queued = len(self._queue)
+        self.trace.record(StepRecord(
+            t_s=t0, admit_ms=1e3 * (t_fill - t0), fill_ms=1e3 * (t_decode - t_fill),
+            decode_ms=1e3 * (t_sample - t_decode), sample_ms=1e3 * (t_end - t_sample), host_cpu_ms=1e3 * host_cpu,
+            tokens=sum(n for _, n in shape), decode_rows=len(rows) - len(prompt), prompt_tokens=sum(prompt),
+            prompt_chunks=len(prompt), sequences=len({seq for seq, _ in shape}), micro_batches=micro,
+            live=len(self._live), queued=queued, layout="unified" if self.cache.shared else "split"))
 
     def _run_commands(self) -> None:
         while True:

@@ -38,6 +38,7 @@ from kvrt.runtime.admission import EngineConfig
 from kvrt.runtime.batching import Engine
 from kvrt.runtime.host_tier import HostMemory
 from kvrt.runtime.requests import EngineClosed
+from kvrt.runtime.step_trace import StepTrace
 from kvrt.serve.device_routing import route
 from kvrt.serve.registry import LoadedModel, ModelRegistry
 from kvrt.state.hostpool import host_memory
@@ -131,7 +132,8 @@ class ModelPool:
 
     def __init__(self, registry: ModelRegistry | None, config: EngineConfig, *,
                  models: Mapping[str, Path] | None = None, models_dir: Path | None = None,
-                 host_memory: HostMemory = host_memory, replicas: int = 1) -> None:
+                 host_memory: HostMemory = host_memory, step_trace_dir: Path | None = None,
+                 replicas: int = 1) -> None:
         if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
             raise KvrtError(f"replicas must be an integer >= 1, got {replicas!r}")
         if replicas > 1 and (registry is None or registry.devices is None):
@@ -140,6 +142,7 @@ class ModelPool:
         self.registry = registry
         self.config = config
         self.models_dir = models_dir
+        self.step_trace_dir = step_trace_dir
         self._host_memory = host_memory
         self._lock = threading.RLock()
         self._paths: dict[str, Path] = {}
@@ -322,9 +325,12 @@ class ModelPool:
                 if evict and not self._hopeless(weights + cells) and self._unload_lru(name):
                     continue
                 raise
+            trace = StepTrace(self.step_trace_dir / f"{name}.jsonl") if self.step_trace_dir is not None else None
             try:
-                engine = Engine(entry.model, config, host_memory=self._host_memory)
+                engine = Engine(entry.model, config, host_memory=self._host_memory, trace=trace)
             except BaseException:
+                if trace is not None:
+                    trace.close()
                 registry.give_back(context)
                 registry.release(entry)
                 raise
@@ -366,9 +372,13 @@ class ModelPool:
             except LedgerDenied as denied:  # taken meanwhile (the socket front): fewer copies, not a failed load
                 log.info("model %s: no replica on device %d: %s", name, placement.main, denied)
                 return
+            trace = (StepTrace(self.step_trace_dir / f"{name}@{placement.main}.jsonl")
+                     if self.step_trace_dir is not None else None)
             try:
-                engine = Engine(copy.model, self.config, host_memory=self._host_memory)
+                engine = Engine(copy.model, self.config, host_memory=self._host_memory, trace=trace)
             except BaseException:
+                if trace is not None:
+                    trace.close()
                 registry.give_back(context)
                 registry.release(copy)
                 raise

@@ -13,6 +13,9 @@
 # Budget: ~PEER_N_TIMEOUT_S per N; give the step STEP_TIMEOUT to match (e.g. ONLY_STEP=80-peer STEP_TIMEOUT=560).
 # PEER_PROFILE_S=60: py-spy (carried as a wheel by tools/prepare_device.sh) samples kvrt's server of each N for that
 # long, every thread, raw stacks in n<N>/pyspy-kvrt.txt (the kvrt arm runs first).
+# Each kvrt run writes its engine steps (kvrt bench peer --step-trace; PEER_STEP_TRACE=0: not) to
+# n<N>/peer/steps/n<N>-r<round>-<workload>.jsonl: python3 tools/step_trace_summary.py FILE says which step shapes
+# (decode rows, prompt chunks, llama.cpp micro-batches) took the time.
 # PEER_ARGS: more options (e.g. "--kv-unified", '--kvrt-args "--kv-layout auto"', "--rounds 2").
 # PEER_LAYOUTS="unified split": then kvrt alone again at N = PEER_LAYOUT_N (default 32) with each --kv-layout forced,
 # for the choice of layout (DEVELOPING.md); written to $RESULTS/peer/n<N>-<layout>/.
@@ -41,6 +44,7 @@ profile_kvrt() {  # PEER_PROFILE_S: sample the kvrt server of this N with py-spy
   [ -n "$pid" ] && py-spy record --pid "$pid" --threads --idle --nonblocking -r 100 -f raw -o "$out" \
     --duration "$PEER_PROFILE_S" >> "$out.log" 2>&1
 }
+trace=(--step-trace); [ "${PEER_STEP_TRACE:-1}" = 0 ] && trace=()
 for n in ${PEER_AGENTS:-8 32 64}; do
   t=$SECONDS
   if [ -n "${PEER_PROFILE_S:-}" ]; then
@@ -50,9 +54,10 @@ for n in ${PEER_AGENTS:-8 32 64}; do
   fi
   # shellcheck disable=SC2086  # PEER_ARGS is a list of options
   eval timeout "${PEER_N_TIMEOUT_S:-240}" python3 -m kvrt.cli bench peer --out "$OUT_DIR/n$n" --preset h200 \
-    --model "$QWEN" --agents "$n" --llama-server "$SERVER" --roomy ${PEER_ARGS:-} > "$OUT_DIR/peer-n$n.log" 2>&1
+    --model "$QWEN" --agents "$n" --llama-server "$SERVER" --roomy "${trace[@]}" ${PEER_ARGS:-} > "$OUT_DIR/peer-n$n.log" 2>&1
   echo "peer N=$n: rc=$? in $((SECONDS - t)) s"
   grep -E '^ +(kvrt|llama-server|ideal)' "$OUT_DIR/peer-n$n.log" | cut -c1-160
+  for f in "$OUT_DIR/n$n"/peer/steps/*.jsonl; do [ -e "$f" ] && python3 tools/step_trace_summary.py "$f"; done
 done
 for layout in ${PEER_LAYOUTS:-}; do
   t=$SECONDS; n=${PEER_LAYOUT_N:-32}

@@ -1,0 +1,80 @@
+"""The engine's step trace against its own counters, the micro-batch count in both layouts, and the trace reader."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvrt.engine.generation import GenerationParams
+from kvrt.engine.sampling import SamplingParams
+from kvrt.runtime.batching import Engine, EngineConfig
+from kvrt.runtime.requests import Request
+from kvrt.runtime.step_trace import StepTrace, read_trace
+
+WAIT_S = 60.0
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_three(model, layout: str, trace_path: Path) -> tuple[Engine, list]:
+    """Three requests of different prompt lengths together (chunks of 8 tokens, 32 a step), traced."""
+    config = EngineConfig(n_ctx=1024, n_seq_max=4, n_batch=32, prefill_chunk=8, flash_attn="off", kv_layout=layout)
+    engine = Engine(model, config, trace=StepTrace(trace_path))
+    prompts = [model.tokenize(" ".join(["word"] * n)) for n in (5, 19, 40)]
+    params = GenerationParams(max_tokens=6, sampling=SamplingParams(temperature=0.0))
+    streams = [engine.submit(Request(p, params)) for p in prompts]
+    for stream in streams:
+        stream.result(WAIT_S)
+    return engine, prompts
+
+
+@pytest.mark.parametrize("layout", ["split", "unified"])
+def test_the_trace_adds_up_to_the_engines_counters(tiny_model, tmp_path, layout):
+    trace_path = tmp_path / "steps" / "tiny.jsonl"
+    engine, prompts = run_three(tiny_model, layout, trace_path)
+    try:
+        stats = engine.stats()
+    finally:
+        engine.close()
+    steps = read_trace(trace_path)
+    assert len(steps) == stats.steps > 0
+    assert sum(s.prompt_tokens for s in steps) == stats.prefilled_tokens
+    assert stats.prefilled_tokens + stats.reused_tokens == sum(len(p) for p in prompts)
+    assert sum(s.decode_rows for s in steps) == stats.decoded_tokens
+    assert sum(s.micro_batches for s in steps) == stats.micro_batches
+    assert all(s.tokens == s.decode_rows + s.prompt_tokens and s.layout == layout for s in steps)
+    assert all(s.prompt_chunks <= 3 and s.prompt_tokens <= 8 * s.prompt_chunks for s in steps)
+    if layout == "unified":  # 32 tokens a step at most, n_ubatch 512: one micro-batch each
+        assert {s.micro_batches for s in steps} == {1}
+    else:  # three prompts' 8-token chunks in one step: a micro-batch of 3 x 8 tokens; a chunk beside a shorter
+        assert max(s.micro_batches for s in steps) >= 2  # last one, or beside decode rows, costs another
+    assert [t.t_s for t in steps] == sorted(t.t_s for t in steps)
+
+
+def test_a_cut_last_line_is_left_out_and_a_bad_line_is_named(tmp_path):
+    good = {"t_s": 1.0, "admit_ms": 0.1, "fill_ms": 0.1, "decode_ms": 2.0, "sample_ms": 0.2, "host_cpu_ms": 0.3,
+            "tokens": 3, "decode_rows": 3, "prompt_tokens": 0, "prompt_chunks": 0, "sequences": 3,
+            "micro_batches": 1, "live": 3, "queued": 0, "layout": "split"}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(good)[:40])
+    assert len(read_trace(path)) == 1
+    path.write_text(json.dumps(good) + "\n{\"t_s\": 2}\n" + json.dumps(good) + "\n")
+    with pytest.raises(ValueError, match=r"t\.jsonl:2: not a step record"):
+        read_trace(path)
+
+
+def test_the_summary_tool_groups_a_real_trace(tiny_model, tmp_path):
+    trace_path = tmp_path / "tiny.jsonl"
+    engine, _ = run_three(tiny_model, "split", trace_path)
+    engine.close()
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "step_trace_summary.py"), str(trace_path)],
+                         capture_output=True, text=True, check=True).stdout
+    steps = read_trace(trace_path)
+    assert f"{len(steps)} steps" in out
+    assert any(line.split()[:1] == ["decode"] for line in out.splitlines())  # the last steps decode alone
+    bad = subprocess.run([sys.executable, str(REPO / "tools" / "step_trace_summary.py"), str(tmp_path / "none")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and "none" in bad.stderr

@@ -1,0 +1,70 @@
+"""Sum up an engine step trace (``kvrt serve --step-trace DIR``, ``kvrt bench peer --step-trace``).
+
+Usage: python tools/step_trace_summary.py TRACE.jsonl [...]
+
+For each file: its steps grouped by what they carried (decode rows only, prompt chunks
+only, both) and, within a group, by how many micro-batches llama.cpp split them into;
+per group the steps, their share of the wall time, and the median milliseconds of each
+phase: where a run's time went and what a step of each shape costs on that machine.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from kvrt.runtime.step_trace import StepRecord, read_trace
+
+PHASES = ("admit_ms", "fill_ms", "decode_ms", "sample_ms")
+
+
+def shape(step: StepRecord) -> str:
+    """What a step carried: ``decode``, ``prompt`` or ``mixed``."""
+    if step.prompt_chunks == 0:
+        return "decode"
+    return "prompt" if step.decode_rows == 0 else "mixed"
+
+
+def summary(steps: list[StepRecord]) -> list[str]:
+    """Lines of a table: one per (shape, micro-batches) group, then the totals."""
+    if not steps:
+        return ["no steps"]
+    groups: dict[tuple[str, int], list[StepRecord]] = defaultdict(list)
+    for step in steps:
+        groups[(shape(step), step.micro_batches)].append(step)
+    total_ms = sum(sum(getattr(s, p) for p in PHASES) for s in steps)
+    lines = [f"{'shape':>7} {'micro':>5} {'steps':>6} {'time %':>6} {'rows':>5} {'prompt':>6} "
+             + " ".join(f"{p[:-3]:>7}" for p in PHASES) + f" {'waits':>7}   (medians, ms)"]
+    for (kind, micro), group in sorted(groups.items()):
+        share = 100 * sum(sum(getattr(s, p) for p in PHASES) for s in group) / total_ms
+        medians = [statistics.median(getattr(s, p) for s in group) for p in PHASES]
+        waits = statistics.median(s.admit_ms + s.fill_ms + s.sample_ms - s.host_cpu_ms for s in group)
+        lines.append(f"{kind:>7} {micro:>5} {len(group):>6} {share:>6.1f} "
+                     f"{statistics.median(s.decode_rows for s in group):>5.0f} "
+                     f"{statistics.median(s.prompt_tokens for s in group):>6.0f} "
+                     + " ".join(f"{m:>7.2f}" for m in medians) + f" {waits:>7.2f}")
+    wall_s = steps[-1].t_s - steps[0].t_s + sum(getattr(steps[-1], p) for p in PHASES) / 1e3
+    lines.append(f"{len(steps)} steps, {total_ms / 1e3:.2f} s busy of {wall_s:.2f} s from the first step to the "
+                 f"last's end; {sum(s.micro_batches for s in steps) / len(steps):.2f} micro-batches a step")
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__.strip().splitlines()[2], file=sys.stderr)
+        return 2
+    for name in argv:
+        print(f"== {name}")
+        try:
+            steps = read_trace(Path(name))
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        print("\n".join(summary(steps)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
