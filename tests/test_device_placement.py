@@ -317,6 +317,8 @@ def test_an_agent_goes_to_the_device_that_holds_its_history(tiny_model_path: Pat
         assert engines[0].cached_prefix(next_turn).result(WAIT_S) == 0
         assert route(engines, next_turn, policy, free) == 1  # where its history is, though both are idle
         assert route(engines, [2, 4, 6, 8], policy, free) == 0  # a stranger: least loaded, lowest index
+        engines[1].close()  # closing: it holds nothing a request could use, and asking it fails nothing
+        assert route(engines, next_turn, policy, free) == 0
     finally:
         for engine in engines.values():
             engine.close()

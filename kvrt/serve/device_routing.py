@@ -11,25 +11,40 @@ Nothing here reserves memory or changes an engine: routing is advice, the engine
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, wait
 
 from kvrt.accounting.placement import Candidate, PlacementPolicy
 from kvrt.errors import InvalidArgument
 from kvrt.runtime.batching import Engine
+from kvrt.runtime.requests import EngineClosed
 
-ASK_TIMEOUT_S = 10.0  # an engine's worker answers between two steps
+ASK_TIMEOUT_S = 2.0  # an engine's worker answers between two steps
+log = logging.getLogger("kvrt.serve.routing")
 
 
 def candidates(engines: Mapping[int, Engine], tokens: Sequence[int],
                free_bytes: Mapping[int, int]) -> list[Candidate]:
     """Each device's engine as the policy sees it: its cached prefix of ``tokens``, its queued plus running
-    requests, and its device's free bytes (0 where ``free_bytes`` has no entry)."""
-    asked = {device: engine.cached_prefix(tokens) for device, engine in engines.items()}  # all workers at once
+    requests, and its device's free bytes (0 where ``free_bytes`` has no entry). An engine that does not answer
+    within ``ASK_TIMEOUT_S`` (a long step) or is closing counts as holding nothing: routing never fails a request."""
+    asked: dict[int, Future[int]] = {}
+    for device, engine in engines.items():  # all workers asked at once
+        try:
+            asked[device] = engine.cached_prefix(tokens)
+        except EngineClosed:
+            continue
+    wait(asked.values(), ASK_TIMEOUT_S)
     out = []
     for device, engine in sorted(engines.items()):
+        answer = asked.get(device)
+        cached = answer.result() if answer is not None and answer.done() and answer.exception() is None else 0
+        if answer is not None and not answer.done():
+            log.warning("device %d's engine did not say what it holds within %g s; routing as if nothing",
+                        device, ASK_TIMEOUT_S)
         stats = engine.stats()
-        out.append(Candidate(device, asked[device].result(ASK_TIMEOUT_S), stats.queued + stats.active,
-                             free_bytes.get(device, 0)))
+        out.append(Candidate(device, cached, stats.queued + stats.active, free_bytes.get(device, 0)))
     return out
 
 
