@@ -20,7 +20,8 @@ HOST_RAM_SHARE_PERCENT = 50.0
 
 @dataclass(frozen=True)
 class Budget:
-    """Where the ledger's cap comes from: ``fixed`` bytes, ``nvml`` (the GPU), or ``host_ram``."""
+    """Where the ledger's cap comes from: ``fixed`` bytes, ``nvml`` (the GPU), ``host_ram``, or ``devices`` (one ledger
+    per ``kvrt serve --devices`` device: :mod:`kvrt.accounting.devices`)."""
 
     source: str
     capacity_bytes: int | None  # None: the ledger reads the GPU through NVML

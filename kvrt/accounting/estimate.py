@@ -296,9 +296,10 @@ class DeviceMeter:
         return bool(llama_gpu_devices())
 
     @staticmethod
-    def _free() -> int | None:
+    def _free() -> list[int] | None:
+        """Each GPU's free bytes, in llama.cpp's GPU order (what ``main_gpu`` and ``tensor_split`` count)."""
         devices = llama_gpu_devices()
-        return sum(d.free_bytes for d in devices) if devices else None
+        return [d.free_bytes for d in devices] if devices else None
 
     def delta(self) -> int | None:
         if self._before is None:
@@ -306,4 +307,13 @@ class DeviceMeter:
         after = self._free()
         if after is None:
             return None
-        return max(self._before - after, 0)
+        return max(sum(self._before) - sum(after), 0)
+
+    def delta_by_device(self) -> dict[int, int] | None:
+        """What the step took of each GPU (by llama.cpp's GPU index), or ``None`` as for :meth:`delta`."""
+        if self._before is None:
+            return None
+        after = self._free()
+        if after is None or len(after) != len(self._before):
+            return None
+        return {index: max(before - now, 0) for index, (before, now) in enumerate(zip(self._before, after))}

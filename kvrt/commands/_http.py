@@ -74,10 +74,14 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
                             "answer says so: header X-Kvrt-Context-Shift, and a kvrt.context_shift field unstreamed)")
     group.add_argument("--keep-tokens", type=non_negative_int, default=1,
                        help="with --context-policy shift: the prompt's first tokens always kept (1: a BOS)")
+    group.add_argument("--replicas", type=positive_int, default=1,
+                       help="with --devices: load each model on up to this many devices (a copy of its weights and "
+                            "an engine each, only on devices that hold a whole copy); a request goes to the copy "
+                            "holding the longest prefix of its prompt (an agent's history), else the least loaded")
     group.add_argument("--step-trace", metavar="DIR", default=None,
                        help="write a line of JSON per engine step to DIR/MODEL.jsonl: the batch's decode rows, prompt "
                             "chunks, llama.cpp micro-batches and each phase's milliseconds (kvrt.runtime.step_trace; "
-                            "tools/step_trace_summary.py sums a file up)")
+                            "tools/step_trace_summary.py sums a file up; a replica's is DIR/MODEL@DEVICE.jsonl)")
     group.add_argument("--request-timeout-s", type=seconds(zero=False), default=argparse.SUPPRESS,
                        help="end any request after this many seconds, finish_reason 'deadline' (none: no limit)")
 
@@ -110,5 +114,6 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
                           max_input_bytes=args.max_input_bytes, api_key=args.api_key,
                           sse_keepalive_s=args.sse_keepalive_s, exact_prefix=args.exact_prefix,
                           context_policy=args.context_policy, keep_tokens=args.keep_tokens,
+                          replicas=getattr(args, "replicas", 1),
                           step_trace=Path(args.step_trace) if getattr(args, "step_trace", None) else None)
     return start_front(options, config, registry, host, port)

@@ -4,7 +4,9 @@ and charged once, and what the HTTP front's engines hold counts against the cap 
 
 Unix socket: try it with ``nc -U PATH`` (send HELP). The ledger's cap is ``--admit-percent`` of the
 GPU's memory as NVML reports it; on a machine without one, a stated share of host RAM
-(:mod:`kvrt.accounting.budget`), unless ``--capacity-bytes`` fixes it.
+(:mod:`kvrt.accounting.budget`), unless ``--capacity-bytes`` fixes it. ``--devices SPEC`` admits against one ledger per
+device instead (:mod:`kvrt.accounting.devices`): each model placed by :mod:`kvrt.accounting.placement` and charged to
+its device(s); the socket front then needs ``--batch-slots``.
 
 SIGTERM or Ctrl-C shuts down cleanly and within ``--shutdown-timeout-s``: the running
 request finishes, queued ones get ``ERR SHUTTING_DOWN``, agents are saved (with
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvrt.accounting.budget import Budget
+    from kvrt.accounting.devices import DeviceLedgers
     from kvrt.serve.daemon import Daemon
     from kvrt.serve.http_front import HttpFront
     from kvrt.serve.registry import ModelRegistry
@@ -66,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fixed ledger cap in bytes (default: the GPU's memory, or half the host RAM "
                              "where NVML sees no GPU)")
     parser.add_argument("--admit-percent", type=float, default=90.0, help="cap as a percent of GPU memory")
+    parser.add_argument("--devices", metavar="SPEC", default=None,
+                        help="admit against one ledger per device and place each model by free memory (a model "
+                             "larger than any one device is split over several by layer, tensor_split proportional "
+                             "to their free memory); SPEC: " + _devices_help() + ". The socket front needs "
+                             "--batch-slots with it; --replicas puts copies of each HTTP model on several. "
+                             "Without --devices: one ledger (--capacity-bytes or the GPU)")
     parser.add_argument("--vram-table", default=None, help="lmxd model_vram table overriding derived estimates")
     parser.add_argument("--reconcile-s", type=float, default=5.0, help="re-read NVML every this many seconds")
     parser.add_argument("--charge", choices=("measured", "estimated"), default="measured",
@@ -114,23 +123,31 @@ def run(args: argparse.Namespace) -> int:
     if args.socket is None and args.http is None:
         raise KvrtError("kvrt serve needs --socket PATH (kvrt's protocol), --http HOST:PORT (OpenAI's API), or both "
                         "(one process, one ledger)")
-    from kvrt.accounting.budget import choose_budget
+    from kvrt.accounting.budget import Budget, choose_budget
     from kvrt.accounting.estimate import load_vram_table
     from kvrt.accounting.ledger import VramLedger
     from kvrt.serve.registry import ModelRegistry
 
-    signals = _Signals()
     table = load_vram_table(args.vram_table) if args.vram_table else None
-    budget = choose_budget(args.capacity_bytes, args.admit_percent)
-    ledger = VramLedger(budget.capacity_bytes, admit_percent=args.admit_percent,
-                        reconcile_every_s=args.reconcile_s if budget.source == "nvml" else None)
-    registry = ModelRegistry(ledger, n_gpu_layers=args.n_gpu_layers, table=table, measure=args.charge == "measured")
+    devices = _device_ledgers(args)
+    if devices is not None:
+        budget = Budget("devices", None, args.admit_percent, f"--devices {args.devices}")
+        ledger = devices.ledger(devices.indices[0])
+    else:
+        budget = choose_budget(args.capacity_bytes, args.admit_percent)
+        ledger = VramLedger(budget.capacity_bytes, admit_percent=args.admit_percent,
+                            reconcile_every_s=args.reconcile_s if budget.source == "nvml" else None)
+    signals = _Signals()
+    registry = ModelRegistry(ledger, n_gpu_layers=args.n_gpu_layers, table=table, measure=args.charge == "measured",
+                             devices=devices)
     fronts = _Fronts()
     try:
         if args.socket:
             fronts.daemon = _start_socket(args, registry, budget)
-            print(f"kvrt serve: listening on {fronts.daemon.path} (ledger max {ledger.max_bytes} B from "
-                  f"{budget.source}: {budget.reason})", flush=True)
+            caps = (", ".join(f"device {i} max {devices.ledger(i).max_bytes} B" for i in devices.indices)
+                    if devices is not None else f"ledger max {ledger.max_bytes} B")
+            print(f"kvrt serve: listening on {fronts.daemon.path} ({caps} from {budget.source}: {budget.reason})",
+                  flush=True)
         if args.http:
             fronts.http = _http.start_http(args, registry)
             host, port = fronts.http.address
@@ -142,12 +159,12 @@ def run(args: argparse.Namespace) -> int:
     except BaseException:
         fronts.stop(args.shutdown_timeout_s)
         registry.close()
-        ledger.close()
+        (devices or ledger).close()
         raise
     if not _stop_within(fronts, args.shutdown_timeout_s, signals):
         _exit_now(1)  # a request is still inside llama.cpp: freeing models or tearing down Python under it could crash
     registry.close()
-    ledger.close()
+    (devices or ledger).close()
     unsaved = fronts.unsaved()
     for agent, reason in sorted(unsaved.items()):
         log.error("agent %r is not saved: %s", agent, reason)
@@ -155,6 +172,30 @@ def run(args: argparse.Namespace) -> int:
         log.error("stopped with %d agent(s) whose state is not saved in %s (exit status 1): a restart loses or "
                   "rolls them back", len(unsaved), args.state_dir)
     return 1 if unsaved else 0
+
+
+def _devices_help() -> str:
+    from kvrt.accounting.devices import SPEC_HELP
+
+    return SPEC_HELP
+
+
+def _device_ledgers(args: argparse.Namespace) -> DeviceLedgers | None:
+    """One ledger per ``--devices`` device (None without it); refused with --capacity-bytes, and for the socket
+    front without --batch-slots (per-agent contexts swap against one ledger)."""
+    if args.devices is None:
+        if args.replicas > 1:
+            raise KvrtError(f"--replicas {args.replicas} needs --devices: copies of a model go on other devices")
+        return None
+    if args.capacity_bytes is not None:
+        raise KvrtError("--devices gives each device's size (INDEX:SIZE or COUNTxSIZE); drop --capacity-bytes")
+    if args.socket and not args.batch_slots:
+        raise KvrtError("--devices with --socket needs --batch-slots: per-agent contexts are swapped in and out "
+                        "against one ledger, a model's batch context goes where the model is placed")
+    from kvrt.accounting.devices import DeviceLedgers, parse_devices
+
+    return DeviceLedgers.from_specs(parse_devices(args.devices), admit_percent=args.admit_percent,
+                                    reconcile_every_s=args.reconcile_s)
 
 
 def _start_socket(args: argparse.Namespace, registry: ModelRegistry, budget: Budget) -> Daemon:

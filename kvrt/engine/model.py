@@ -126,9 +126,19 @@ class ModelParams:
         params.use_extra_bufts = bool(self.resolved().use_extra_bufts)
         if self.use_mmap is not None or self.use_mlock:
             params.load_mode = _LOAD_MODES[(bool(self.use_mmap), self.use_mlock)]
-        split = ffi.new("float[]", [float(x) for x in self.tensor_split]) if self.tensor_split else ffi.NULL
-        params.tensor_split = split
+        params.tensor_split = split = self._tensor_split_c()
         return params, split
+
+    def _tensor_split_c(self) -> Any:
+        """``tensor_split`` as llama.cpp reads it: ``llama_max_devices()`` floats (it reads one per device it has,
+        so a shorter array would be read past its end on a machine with more GPUs), or NULL."""
+        if not self.tensor_split:
+            return ffi.NULL
+        most = int(lib().llama_max_devices())
+        if len(self.tensor_split) > most:
+            raise KvrtError(f"tensor_split has {len(self.tensor_split)} proportions; this llama.cpp takes at most "
+                            f"{most} devices")
+        return ffi.new("float[]", [float(x) for x in self.tensor_split] + [0.0] * (most - len(self.tensor_split)))
 
 
 def _params_of_llama_cpp(c_params: Any) -> ModelParams:

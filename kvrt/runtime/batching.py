@@ -224,6 +224,17 @@ class Engine:
 
         return self._call(put)
 
+    def cached_prefix(self, tokens: Sequence[int]) -> Future[int]:
+        """How many of ``tokens``' first positions this engine holds cached (in a slot of its context or a copy in
+        its host tier; the longer of the two), read on the worker: what prefix-affinity routing compares across
+        devices."""
+        probe = tuple(int(t) for t in tokens)
+
+        def longest() -> int:
+            return max(self.cache.longest_prefix(probe)[1], self.cache.host_prefix(probe)[1])
+
+        return self._call(longest)
+
     def unpin(self, pin_id: str) -> Future[bool]:
         """Let a pinned prefix be evicted again; the future says whether ``pin_id`` was pinned."""
         return self._call(lambda: self._unpin(pin_id))

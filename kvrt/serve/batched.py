@@ -38,6 +38,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kvrt.accounting.devices import DeviceCharge
 from kvrt.accounting.estimate import context_estimate
 from kvrt.accounting.ledger import Reservation, VramLedger
 from kvrt.checks import prompt_tokens
@@ -95,7 +96,7 @@ class _Pool:
 
     entry: LoadedModel
     engine: Engine
-    reservation: Reservation
+    reservation: Reservation | DeviceCharge  # a DeviceCharge where the registry placed the model on a device set
     agents: int = 0
 
 
@@ -191,18 +192,32 @@ class BatchedScheduler(AgentService[BatchedAgent]):
             return pool
         try:
             cells = context_estimate(shape, self.config.n_ctx, min(self.config.n_batch, 512)).total_bytes
-            reservation = self.ledger.try_reserve(cells, f"batch:{entry.path.name}")
+            reservation = self._charge(entry, cells)
         except BaseException:
             self.registry.release(entry)
             raise
         try:
             engine = Engine(entry.model, self.config.engine())  # its host tier pinned on a GPU
         except BaseException:
-            self.ledger.release(reservation)
+            self._give_back(reservation)
             self.registry.release(entry)
             raise
         pool = self._pools[entry.path] = _Pool(entry, engine, reservation)
         return pool
+
+    def _charge(self, entry: LoadedModel, cells: int) -> Reservation | DeviceCharge:
+        """A model's shared context charged where the model is: each device of its placement by its share (a
+        registry on a device set), else this scheduler's ledger."""
+        owner = f"batch:{entry.path.name}"
+        if entry.placement is not None:
+            return self.registry.charge(entry, cells, owner)
+        return self.ledger.try_reserve(cells, owner)
+
+    def _give_back(self, charge: Reservation | DeviceCharge) -> None:
+        if isinstance(charge, DeviceCharge):
+            self.registry.give_back(charge)
+        else:
+            self.ledger.release(charge)
 
     def unregister(self, agent_id: str) -> None:
         """Remove an agent: its queued and running turns end ``cancelled``; the last agent of a model frees it."""
@@ -227,7 +242,7 @@ class BatchedScheduler(AgentService[BatchedAgent]):
     def _close_pool(self, pool: _Pool) -> None:
         """Stop a pool's engine and free it (never under the lock: the engine's thread may be waiting for it)."""
         pool.engine.close()
-        self.ledger.release(pool.reservation)
+        self._give_back(pool.reservation)
         self.registry.release(pool.entry)
 
     def fork(self, source_id: str, agent_id: str) -> Forked:

@@ -201,11 +201,13 @@ class Client:
 
     def status(self) -> dict[str, Any]:
         lines, _ = self.request("STATUS")
-        status: dict[str, Any] = {"loaded": [], "state_problems": [], "state_unsaved_agents": []}
+        status: dict[str, Any] = {"loaded": [], "devices": [], "state_problems": [], "state_unsaved_agents": []}
         for current in lines:
             fields = parse_fields(current)
             if "model" in fields:
                 status["loaded"].append(fields)
+            elif "device" in fields:  # kvrt serve --devices: one line per device's ledger
+                status["devices"].append(fields)
             elif "state_skipped_agent" in fields:
                 status["state_problems"].append(fields)
             elif "state_unsaved_agent" in fields:

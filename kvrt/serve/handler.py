@@ -80,9 +80,15 @@ class Handler:
             lines.append(ok_line(**self.connection_fields()))
         lines += self._state_lines()
         for entry in self.scheduler.registry.models():
+            placed = {"placement": entry.placement.describe()} if entry.placement is not None else {}
             lines.append(ok_line(model=entry.path.name, refcount=entry.refcount,
                                  reserved_bytes=entry.reservation.nbytes, estimated_bytes=entry.estimated_bytes,
-                                 measured_bytes=entry.measured_bytes, estimate=entry.estimate_source))
+                                 measured_bytes=entry.measured_bytes, estimate=entry.estimate_source, **placed))
+        devices = self.scheduler.registry.devices
+        for index, snap in (devices.snapshots() if devices is not None else {}).items():
+            lines.append(ok_line(device=index, ledger_max_bytes=snap.max_bytes,
+                                 ledger_allocated_bytes=snap.allocated_bytes, ledger_free_bytes=snap.free_bytes,
+                                 external_bytes=snap.external_bytes))
         return lines
 
     def _state_lines(self) -> list[str]:

@@ -25,7 +25,8 @@ class HttpOptions:
 
     ``models``: GGUF files loaded at start (none and no ``models_dir``: the demo model); ``models_dir``: every
     ``*.gguf`` there, loaded on demand; ``state_dir``: agents' turns saved in ``DIR/http``; ``step_trace``: every
-    engine's steps in ``DIR/MODEL.jsonl`` (:mod:`kvrt.runtime.step_trace`)."""
+    engine's steps in ``DIR/MODEL.jsonl`` (:mod:`kvrt.runtime.step_trace`); ``replicas``: copies of each model, one
+    a device of the registry's device set (:class:`kvrt.serve.model_pool.ModelPool`)."""
 
     models: tuple[Path, ...] = ()
     models_dir: Path | None = None
@@ -39,6 +40,7 @@ class HttpOptions:
     context_policy: str = "refuse"
     keep_tokens: int = 1
     step_trace: Path | None = None
+    replicas: int = 1
 
 
 @dataclass
@@ -70,7 +72,7 @@ def start_front(options: HttpOptions, config: EngineConfig, registry: ModelRegis
         raise KvrtError(f"two models would share a name (the file stem): {names}")
     agents = AgentBook(options.state_dir)  # a state dir another process holds: refused before loading
     pool = ModelPool(registry, config, models=dict(zip(names, paths)), models_dir=options.models_dir,
-                     step_trace_dir=options.step_trace)
+                     step_trace_dir=options.step_trace, replicas=options.replicas)
     try:
         if not pool.names():
             raise KvrtError(f"--models-dir {options.models_dir}: no *.gguf files there, and no --model given")

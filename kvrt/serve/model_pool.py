@@ -24,12 +24,13 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable, ItemsView, Iterator, Mapping, ValuesView
+from collections.abc import Callable, ItemsView, Iterator, Mapping, Sequence, ValuesView
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvrt.accounting.devices import DeviceCharge
 from kvrt.accounting.estimate import context_estimate
 from kvrt.accounting.ledger import LedgerDenied, Reservation
 from kvrt.errors import KvrtError
@@ -38,6 +39,7 @@ from kvrt.runtime.batching import Engine
 from kvrt.runtime.host_tier import HostMemory
 from kvrt.runtime.requests import EngineClosed
 from kvrt.runtime.step_trace import StepTrace
+from kvrt.serve.device_routing import route
 from kvrt.serve.registry import LoadedModel, ModelRegistry
 from kvrt.state.hostpool import host_memory
 
@@ -54,15 +56,32 @@ class ModelBusy(KvrtError):
 
 
 @dataclass
+class _Replica:
+    """A copy of a loaded model on another device (``--replicas``): its engine, its private weights, its context."""
+
+    engine: Engine
+    entry: LoadedModel
+    context: Reservation | DeviceCharge
+
+
+@dataclass
 class _Loaded:
     """A loaded model: its engine, the registry lease and context charge behind it (``None`` for an engine the
-    caller owns), the holds on it now, and when it was last held (a tick of the pool's clock: LRU order)."""
+    caller owns), the holds on it now, and when it was last held (a tick of the pool's clock: LRU order); its
+    copies on other devices, held, used and unloaded with it."""
 
     engine: Engine
     entry: LoadedModel | None
-    context: Reservation | None
+    context: Reservation | DeviceCharge | None
     used: int
     holds: int = 0
+    replicas: list[_Replica] = field(default_factory=list)
+
+    def engines(self) -> dict[int, Engine]:
+        """Every copy's engine by its device (the first copy's main device first)."""
+        main = self.entry.placement.main if self.entry is not None and self.entry.placement is not None else 0
+        return {main: self.engine, **{r.entry.placement.main: r.engine for r in self.replicas
+                                      if r.entry.placement is not None}}
 
 
 @dataclass
@@ -107,12 +126,19 @@ class ModelPool:
     ``models``: name -> path, loaded by :meth:`preload` (the caller's choice when); ``models_dir``: more, loaded
     on demand. ``registry`` and ``config`` make each engine (``host_memory`` gives its host tier's memory, pinned
     on a GPU by default). Use :meth:`fixed` for engines the caller made and keeps (no registry: nothing is loaded
-    or unloaded).
+    or unloaded). ``replicas`` (a registry on a device set only): each model loaded on up to that many devices,
+    one copy of its weights and one engine each, a request going to the copy :meth:`route` picks.
     """
 
     def __init__(self, registry: ModelRegistry | None, config: EngineConfig, *,
                  models: Mapping[str, Path] | None = None, models_dir: Path | None = None,
-                 host_memory: HostMemory = host_memory, step_trace_dir: Path | None = None) -> None:
+                 host_memory: HostMemory = host_memory, step_trace_dir: Path | None = None,
+                 replicas: int = 1) -> None:
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise KvrtError(f"replicas must be an integer >= 1, got {replicas!r}")
+        if replicas > 1 and (registry is None or registry.devices is None):
+            raise KvrtError(f"{replicas} replicas of a model need a device set to put them on (kvrt serve --devices)")
+        self.replicas = replicas
         self.registry = registry
         self.config = config
         self.models_dir = models_dir
@@ -288,26 +314,15 @@ class ModelPool:
         """Admit ``name``'s weights and context, unloading idle models (``evict``) until they fit, then load it."""
         registry = self.registry
         assert registry is not None
-        ledger, path, config = registry.ledger, self._paths[name], self.config
+        path, config = self._paths[name], self.config
         while True:
             shape, weights = registry.peek(path)  # 0 weights: the registry holds them already
             cells = context_estimate(shape, config.n_ctx, config.n_ubatch).total_bytes
-            hopeless = False  # not even an empty ledger would hold it: unload nothing for it
             try:
-                if not ledger.fits(weights + cells):
-                    snap = ledger.snapshot()
-                    hopeless = weights + cells > snap.max_bytes - snap.external_bytes
-                    raise LedgerDenied(owner=f"http:{name} (weights {weights} B + context {cells} B)",
-                                       max_bytes=snap.max_bytes, allocated_bytes=snap.allocated_bytes,
-                                       request_bytes=weights + cells, external_bytes=snap.external_bytes)
-                context = ledger.try_reserve(cells, f"http:{name}")
-                try:
-                    entry = registry.acquire(path)
-                except BaseException:
-                    ledger.release(context)
-                    raise
+                entry, context = self._admit(name, path, weights, cells)
             except LedgerDenied:
-                if evict and not hopeless and self._unload_lru(name):
+                # not even empty ledgers would hold it: unload nothing for it
+                if evict and not self._hopeless(weights + cells) and self._unload_lru(name):
                     continue
                 raise
             trace = StepTrace(self.step_trace_dir / f"{name}.jsonl") if self.step_trace_dir is not None else None
@@ -316,10 +331,123 @@ class ModelPool:
             except BaseException:
                 if trace is not None:
                     trace.close()
-                ledger.release(context)
+                registry.give_back(context)
                 registry.release(entry)
                 raise
-            return _Loaded(engine, entry, context, next(self._clock))
+            loaded = _Loaded(engine, entry, context, next(self._clock))
+            try:
+                self._add_replicas(name, loaded)
+            except BaseException:
+                self._free(loaded)
+                raise
+            return loaded
+
+    def _add_replicas(self, name: str, loaded: _Loaded) -> None:
+        """Copies of ``name`` on other devices, one each, until ``replicas`` copies or no other device holds one
+        whole (a copy is never split; a split model gets none); each copy's weights and context are charged to its
+        device like a first load."""
+        registry, entry = self.registry, loaded.entry
+        assert registry is not None and entry is not None
+        devices = registry.devices
+        if self.replicas == 1 or devices is None or entry.placement is None or entry.placement.split:
+            return
+        shape, weights = registry.copy_estimate(entry.path)
+        cells = context_estimate(shape, self.config.n_ctx, self.config.n_ubatch).total_bytes
+        while len(loaded.replicas) + 1 < self.replicas:
+            taken = set(loaded.engines())
+            free = {d: f for d, f in devices.free_bytes().items() if d not in taken and f >= weights + cells}
+            if not free:
+                log.info("model %s: %d of %d replicas (no other device has %d B free)", name,
+                         len(loaded.replicas) + 1, self.replicas, weights + cells)
+                return
+            placement = registry.policy.place(weights + cells, free, owner=f"http:{name}",
+                                              snapshots=devices.snapshots())
+            try:
+                context = devices.reserve(placement.charges(cells), f"http:{name}@{placement.main}")
+                try:
+                    copy = registry.load_copy(entry.path, placement)
+                except BaseException:
+                    registry.give_back(context)
+                    raise
+            except LedgerDenied as denied:  # taken meanwhile (the socket front): fewer copies, not a failed load
+                log.info("model %s: no replica on device %d: %s", name, placement.main, denied)
+                return
+            trace = (StepTrace(self.step_trace_dir / f"{name}@{placement.main}.jsonl")
+                     if self.step_trace_dir is not None else None)
+            try:
+                engine = Engine(copy.model, self.config, host_memory=self._host_memory, trace=trace)
+            except BaseException:
+                if trace is not None:
+                    trace.close()
+                registry.give_back(context)
+                registry.release(copy)
+                raise
+            loaded.replicas.append(_Replica(engine, copy, context))
+            log.info("model %s: a replica on device %d", name, placement.main)
+
+    def route(self, name: str, engine: Engine, tokens: Sequence[int]) -> Engine:
+        """The copy of ``name`` that should serve a request of ``tokens``, ``engine`` being the one its hold gave:
+        the one whose engine holds the longest prefix of them (an agent's history), else the least loaded
+        (:mod:`kvrt.serve.device_routing`). ``engine`` itself where the model has one copy."""
+        with self._lock:
+            loaded = self._loaded.get(name)
+        registry = self.registry
+        if loaded is None or not loaded.replicas or loaded.engine is not engine or registry is None \
+                or registry.devices is None:
+            return engine
+        engines = loaded.engines()
+        return engines[route(engines, tokens, registry.policy, registry.devices.free_bytes())]
+
+    def _admit(self, name: str, path: Path, weights: int, cells: int) -> tuple[LoadedModel, Reservation | DeviceCharge]:
+        """Charge ``name``'s context and lease its weights (charged by the registry unless resident), or raise
+        :class:`LedgerDenied` having changed nothing. On a device set the placement policy picks the device(s) for
+        weights and context together; a resident model's context goes where its weights are."""
+        registry = self.registry
+        assert registry is not None
+        owner = f"http:{name}"
+        devices = registry.devices
+        if devices is None:
+            ledger = registry.ledger
+            if not ledger.fits(weights + cells):
+                snap = ledger.snapshot()
+                raise LedgerDenied(owner=f"{owner} (weights {weights} B + context {cells} B)",
+                                   max_bytes=snap.max_bytes, allocated_bytes=snap.allocated_bytes,
+                                   request_bytes=weights + cells, external_bytes=snap.external_bytes)
+            context: Reservation | DeviceCharge = ledger.try_reserve(cells, owner)
+            try:
+                return registry.acquire(path), context
+            except BaseException:
+                registry.give_back(context)
+                raise
+        if weights == 0:  # resident: its context goes with it
+            entry = registry.acquire(path)
+            try:
+                return entry, registry.charge(entry, cells, owner)
+            except BaseException:
+                registry.release(entry)
+                raise
+        placement = registry.policy.place(weights + cells, devices.free_bytes(),
+                                          owner=f"{owner} (weights {weights} B + context {cells} B)",
+                                          snapshots=devices.snapshots())
+        context = devices.reserve(placement.charges(cells), owner)
+        try:
+            entry = registry.acquire(path, placement)
+            if entry.placement != placement:  # another front loaded it meanwhile, elsewhere: follow its weights
+                registry.give_back(context)
+                context = registry.charge(entry, cells, owner)
+        except BaseException:
+            registry.give_back(context)
+            raise
+        if entry.placement is not None:
+            log.info("model %s placed on %s", name, entry.placement.describe())
+        return entry, context
+
+    def _hopeless(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` exceeds what the ledgers could admit with nothing of kvrt's on them."""
+        registry = self.registry
+        assert registry is not None
+        snaps = registry.devices.snapshots().values() if registry.devices else [registry.ledger.snapshot()]
+        return nbytes > sum(snap.max_bytes - snap.external_bytes for snap in snaps)
 
     def _unload_lru(self, keep: str) -> bool:
         """Unload the least recently used idle model other than ``keep``; False when there is none."""
@@ -337,19 +465,27 @@ class ModelPool:
 
     @staticmethod
     def _idle(loaded: _Loaded) -> bool:
-        """No hold on it and nothing queued or running in its engine (lock held: no new hold can start)."""
+        """No hold on it and nothing queued or running in its engines (lock held: no new hold can start)."""
         if loaded.holds:
             return False
-        stats = loaded.engine.stats()
-        return stats.queued == 0 and stats.active == 0
+        for engine in loaded.engines().values():
+            stats = engine.stats()
+            if stats.queued or stats.active:
+                return False
+        return True
 
     def _free(self, loaded: _Loaded) -> None:
         """Close the engine, then give its context's charge and its model lease back (not for a caller's engine)."""
         if loaded.entry is None or self.registry is None:
             return
+        for replica in loaded.replicas:
+            replica.engine.close()
+            self.registry.give_back(replica.context)
+            self.registry.release(replica.entry)
+        loaded.replicas.clear()
         loaded.engine.close()
         if loaded.context is not None:
-            self.registry.ledger.release(loaded.context)
+            self.registry.give_back(loaded.context)
         self.registry.release(loaded.entry)
 
     # -- state and shutdown ----------------------------------------------------------------
@@ -366,9 +502,18 @@ class ModelPool:
             return out
 
     def ledger_state(self) -> dict[str, Any] | None:
-        """The ledger's numbers (None without a registry)."""
+        """The ledger's numbers (None without a registry); on a device set, each device's under ``devices`` and
+        where each loaded model is under ``placements``."""
         if self.registry is None:
             return None
+        if self.registry.devices is not None:
+            with self._lock:
+                placements = {name: " + ".join([loaded.entry.placement.describe(),
+                                                *(r.entry.placement.describe() for r in loaded.replicas
+                                                  if r.entry.placement is not None)])
+                              for name, loaded in self._loaded.items()
+                              if loaded.entry is not None and loaded.entry.placement is not None}
+            return {"devices": self.registry.devices.state(), "placements": placements}
         snap = self.registry.ledger.snapshot()
         return {"capacity_bytes": snap.max_bytes, "allocated_bytes": snap.allocated_bytes,
                 "external_bytes": snap.external_bytes, "free_bytes": snap.free_bytes, "by_owner": snap.by_owner}
@@ -377,7 +522,8 @@ class ModelPool:
         """End every loaded engine's requests (streams get their final event); :meth:`close` frees them."""
         with self._lock:
             self._closing = True
-            engines = [loaded.engine for loaded in self._loaded.values() if loaded.entry is not None]
+            engines = [engine for loaded in self._loaded.values() if loaded.entry is not None
+                       for engine in loaded.engines().values()]
         for engine in engines:
             engine.close()
 

@@ -517,6 +517,8 @@ class OpenAIServer:
         saved history restored first, the turn saved before it is answered, see :mod:`kvrt.serve.http_agents`):
         its event stream, the bridge that wakes its reader, the shaper of its answer, and the shift (``None``: the
         prompt as given)."""
+        if self.pool.replicas > 1:  # the copy holding the longest prefix of the prompt (an agent's history)
+            engine = await asyncio.to_thread(self.pool.route, body.model, engine, prompt)
         shift = None
         if self.context_policy == "shift":
             prompt, shift = shift_prompt(prompt, engine.config, n=body.n, max_tokens=max_tokens or

@@ -83,6 +83,9 @@ class Scheduler(AgentService[Agent]):
     def __init__(self, ledger: VramLedger, registry: ModelRegistry | None = None, *, n_ubatch: int = 512,
                  n_threads: int | None = None, flash_attn: str = "auto", pool: HostPool | None = None,
                  state_dir: str | os.PathLike[str] | None = None, prefetch: bool = True) -> None:
+        if registry is not None and registry.devices is not None:
+            raise InvalidArgument("per-agent contexts are swapped in and out against one ledger; a registry on a "
+                                  "device set needs the batched service (kvrt serve --batch-slots)")
         self.ledger = ledger
         self.registry = registry or ModelRegistry(ledger)
         self._owns_registry = registry is None
