@@ -10,13 +10,12 @@ charges come from a table (the registry's ``model_vram``) so every number is kno
 
 from __future__ import annotations
 
-import http.client
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _serving import http_call
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
@@ -34,6 +33,7 @@ from kvrt.runtime.batching import Engine
 from kvrt.runtime.requests import Request
 from kvrt.serve.batched import BatchConfig, BatchedScheduler
 from kvrt.serve.device_routing import route
+from kvrt.serve.http_front import HttpFront
 from kvrt.serve.model_pool import ModelBusy, ModelPool
 from kvrt.serve.openai_server import OpenAIServer
 from kvrt.serve.registry import ModelRegistry
@@ -420,26 +420,17 @@ class Replicated:
         self.host, self.port = self.server.start("127.0.0.1", 0)
 
     def complete(self, model: str, prompt: list[int], agent: str) -> dict[str, Any]:
-        connection = http.client.HTTPConnection(self.host, self.port, timeout=WAIT_S)
-        try:
-            connection.request("POST", "/v1/completions",
-                               json.dumps({"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0}),
-                               {"content-type": "application/json", "X-Kvrt-Agent": agent})
-            response = connection.getresponse()
-            reply = json.loads(response.read())
-            assert response.status == 200, reply
-            return dict(reply)
-        finally:
-            connection.close()
+        status, reply = http_call(f"{self.host}:{self.port}", "POST", "/v1/completions",
+                                  {"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0},
+                                  {"X-Kvrt-Agent": agent})
+        assert status == 200, reply
+        return dict(reply)
 
     def engines(self, name: str) -> dict[int, Engine]:
         return self.pool._loaded[name].engines()
 
     def close(self) -> None:
-        self.server.stop_accepting()
-        self.pool.close_engines()
-        self.server.stop()
-        self.pool.close()
+        HttpFront(self.server, (self.host, self.port), self.pool).close()
         self.registry.close()
 
 

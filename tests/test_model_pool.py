@@ -9,8 +9,6 @@ capacity holds two models with their engines' contexts, not three. Requests that
 
 from __future__ import annotations
 
-import http.client
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _serving import http_call
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
 
@@ -30,6 +29,7 @@ from kvrt.runtime.admission import EngineConfig  # noqa: E402
 from kvrt.runtime.batching import Engine  # noqa: E402
 from kvrt.runtime.requests import Request  # noqa: E402
 from kvrt.serve import model_pool  # noqa: E402
+from kvrt.serve.http_front import HttpFront  # noqa: E402
 from kvrt.serve.model_pool import ModelPool  # noqa: E402
 from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
 from kvrt.serve.registry import ModelRegistry  # noqa: E402
@@ -68,14 +68,7 @@ class Served:
         self.host, self.port = self.server.start("127.0.0.1", 0)
 
     def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-        connection = http.client.HTTPConnection(self.host, self.port, timeout=WAIT_S)
-        try:
-            connection.request(method, path, None if body is None else json.dumps(body),
-                               {"content-type": "application/json"})
-            response = connection.getresponse()
-            return response.status, json.loads(response.read())
-        finally:
-            connection.close()
+        return http_call(f"{self.host}:{self.port}", method, path, body)
 
     def complete(self, model: str) -> tuple[int, Any]:
         return self.call("POST", "/v1/completions", {"model": model, "prompt": [1, 2, 3], "max_tokens": 4,
@@ -93,10 +86,7 @@ class Served:
         return {entry.path.stem for entry in self.registry.models()}
 
     def close(self) -> None:
-        self.server.stop_accepting()
-        self.pool.close_engines()
-        self.server.stop()
-        self.pool.close()
+        HttpFront(self.server, (self.host, self.port), self.pool).close()
         self.registry.close()
 
 

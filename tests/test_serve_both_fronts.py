@@ -12,7 +12,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _serving import http_call, serving
 from kvrt.serve.client import Client
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
@@ -33,21 +33,10 @@ ENV = {**os.environ, "KVRT_EXTRA_BUFTS": "off"}
 def both(tmp_path: Path, tiny_model_path: Path) -> Iterator[tuple[subprocess.Popen, Path, str]]:
     """The process with both fronts on the tiny model; yields it, its socket and its HTTP address."""
     sock = tmp_path / "kvrt.sock"
-    proc = subprocess.Popen([*KVRT, "serve", "--socket", str(sock), "--http", "127.0.0.1:0", "--model",
-                             str(tiny_model_path), "--n-ctx", "1024", "--slots", "2", "--threads", "1",
-                             "--capacity-bytes", str(4 << 30), "--charge", "estimated"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    try:
-        lines = [proc.stdout.readline() if proc.stdout else "" for _ in range(2)]
-        found = re.search(r"http://([^/\s]+)/v1", lines[1])
-        if "listening on" not in lines[0] or not found:
-            proc.kill()
-            pytest.fail(f"kvrt serve printed {lines!r}; stderr: {proc.communicate(timeout=WAIT_S)[1][-2000:]}")
-        yield proc, sock, found.group(1)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+    with serving([*KVRT, "serve", "--socket", str(sock), "--http", "127.0.0.1:0", "--model", str(tiny_model_path),
+                  "--n-ctx", "1024", "--slots", "2", "--threads", "1", "--capacity-bytes", str(4 << 30),
+                  "--charge", "estimated"], ENV) as (proc, address, _):
+        yield proc, sock, address
 
 
 def _completion(address: str, model: str, prompt: list[int]) -> dict:
@@ -104,17 +93,6 @@ def test_a_model_the_ledger_cannot_hold_is_refused_with_its_numbers(tmp_path: Pa
     assert not (tmp_path / "kvrt.sock").exists()  # the socket front that had started is gone again
 
 
-def _http(address: str, method: str, path: str) -> tuple[int, dict]:
-    host, port = address.rsplit(":", 1)
-    connection = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
-    try:
-        connection.request(method, path)
-        response = connection.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        connection.close()
-
-
 def test_an_http_unload_never_frees_a_socket_agents_model(tmp_path: Path, tiny_model_path: Path,
                                                           other_tiny_model_path: Path):
     """--models-dir beside --socket: the HTTP front loads a model on demand that a socket agent also uses (one
@@ -125,30 +103,21 @@ def test_an_http_unload_never_frees_a_socket_agents_model(tmp_path: Path, tiny_m
         shutil.copyfile(path, models / path.name)
     shared = models / tiny_model_path.name
     sock = tmp_path / "kvrt.sock"
-    proc = subprocess.Popen([*KVRT, "serve", "--socket", str(sock), "--http", "127.0.0.1:0", "--models-dir",
-                             str(models), "--n-ctx", "1024", "--slots", "2", "--threads", "1", "--capacity-bytes",
-                             str(4 << 30), "--charge", "estimated"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    try:
-        lines = [proc.stdout.readline() if proc.stdout else "" for _ in range(2)]
-        found = re.search(r"http://([^/\s]+)/v1", lines[1])
-        assert found and "on demand: tiny, tiny-seed1" in lines[1], (lines, proc.stderr)
-        address = found.group(1)
+    with serving([*KVRT, "serve", "--socket", str(sock), "--http", "127.0.0.1:0", "--models-dir", str(models),
+                  "--n-ctx", "1024", "--slots", "2", "--threads", "1", "--capacity-bytes", str(4 << 30),
+                  "--charge", "estimated"], ENV) as (proc, address, printed):
+        assert "on demand: tiny, tiny-seed1" in printed, printed
         with Client(sock) as client:
             client.register("a", shared, 512)
             assert client.decode("a", "Hello, my name is", 4).fields["generated_tokens"] == "4"
             assert _completion(address, "tiny", [1, 2, 3, 4])["usage"]["completion_tokens"] == 6  # loaded now
             assert _model_line(client.status())["refcount"] == "2"  # the agent's lease and the HTTP front's
-            status, card = _http(address, "POST", "/v1/kvrt/models/tiny/unload")
+            status, card = http_call(address, "POST", "/v1/kvrt/models/tiny/unload")
             assert status == 200 and card["unloaded"] and not card["loaded"], card
             after = client.status()
             assert after["models"] == "1" and _model_line(after)["refcount"] == "1"  # the agent's lease is left
-            owners = _http(address, "GET", "/v1/kvrt/stats")[1]["kvrt:ledger"]["by_owner"]
+            owners = http_call(address, "GET", "/v1/kvrt/stats")[1]["kvrt:ledger"]["by_owner"]
             assert "http:tiny" not in owners and f"model:{shared.name}" in owners, owners
             assert client.decode("a", " and then", 4).fields["generated_tokens"] == "4"  # its weights are alive
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=WAIT_S) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()

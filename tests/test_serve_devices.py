@@ -9,18 +9,15 @@ can hold is refused at start naming every device's numbers; a bad SPEC and the p
 
 from __future__ import annotations
 
-import http.client
-import json
 import os
-import re
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from _serving import http_call, serving
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.modelfiles.testmodels import write_model
 from kvrt.runtime.admission import EngineConfig
@@ -62,41 +59,18 @@ def on_two_devices(tmp_path: Path, two_models) -> Iterator[tuple[subprocess.Pope
     room = WEIGHTS + http_context_bytes(a)
     capacity = 4 * room
     sock = tmp_path / "kvrt.sock"
-    proc = subprocess.Popen(serve("--socket", str(sock), "--batch-slots", "2", "--batch-cells", "512",
-                                  "--http", "127.0.0.1:0", "--model", str(a), "--model", str(b),
-                                  "--vram-table", str(table), "--devices", f"0:{capacity},1:{capacity}"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    try:
-        lines = [proc.stdout.readline() if proc.stdout else "" for _ in range(2)]
-        found = re.search(r"http://([^/\s]+)/v1", lines[1])
-        if "listening on" not in lines[0] or not found:
-            proc.kill()
-            pytest.fail(f"kvrt serve printed {lines!r}; stderr: {proc.communicate(timeout=WAIT_S)[1][-2000:]}")
-        assert f"device 0 max {capacity} B, device 1 max {capacity} B" in lines[0]
-        yield proc, sock, found.group(1), capacity
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-
-
-def call(address: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    host, port = address.rsplit(":", 1)
-    connection = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
-    try:
-        connection.request(method, path, None if body is None else json.dumps(body),
-                           {"content-type": "application/json"})
-        response = connection.getresponse()
-        return response.status, json.loads(response.read())
-    finally:
-        connection.close()
+    with serving(serve("--socket", str(sock), "--batch-slots", "2", "--batch-cells", "512", "--http", "127.0.0.1:0",
+                       "--model", str(a), "--model", str(b), "--vram-table", str(table),
+                       "--devices", f"0:{capacity},1:{capacity}"), ENV) as (proc, address, first):
+        assert f"device 0 max {capacity} B, device 1 max {capacity} B" in first
+        yield proc, sock, address, capacity
 
 
 def test_two_models_on_two_devices_each_charged_to_its_own(on_two_devices, two_models):
     proc, sock, address, capacity = on_two_devices
     a, b, _ = two_models
     context = http_context_bytes(a)
-    status, stats = call(address, "GET", "/v1/kvrt/stats")
+    status, stats = http_call(address, "GET", "/v1/kvrt/stats")
     assert status == 200
     ledger = stats["kvrt:ledger"]
     assert ledger["placements"] == {"a": "device 0", "b": "device 1"}  # a: equal room, lowest index; b: more room
@@ -104,7 +78,7 @@ def test_two_models_on_two_devices_each_charged_to_its_own(on_two_devices, two_m
     assert ledger["devices"]["1"]["by_owner"] == {"model:b.gguf": WEIGHTS, "http:b": context}
     assert ledger["devices"]["1"]["capacity_bytes"] == capacity
     for model in ("a", "b"):
-        status, reply = call(address, "POST", "/v1/completions",
+        status, reply = http_call(address, "POST", "/v1/completions",
                              {"model": model, "prompt": [1, 2, 3, 4], "max_tokens": 4, "temperature": 0})
         assert status == 200 and reply["usage"]["completion_tokens"] == 4, reply
     with Client(sock) as client:
@@ -116,7 +90,7 @@ def test_two_models_on_two_devices_each_charged_to_its_own(on_two_devices, two_m
         devices = {line["device"]: int(line["ledger_allocated_bytes"]) for line in after["devices"]}
         assert devices["0"] == WEIGHTS + context
         assert devices["1"] > WEIGHTS + context  # b's batch context went where b is
-    _, stats = call(address, "GET", "/v1/kvrt/stats")
+    _, stats = http_call(address, "GET", "/v1/kvrt/stats")
     assert set(stats["kvrt:ledger"]["devices"]["1"]["by_owner"]) == {"model:b.gguf", "http:b", "batch:b.gguf"}
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=WAIT_S) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
@@ -152,27 +126,16 @@ def test_the_help_documents_the_spec():
 def test_replicas_put_a_copy_of_each_model_on_each_device(two_models):
     a, _, table = two_models
     room = WEIGHTS + http_context_bytes(a)
-    proc = subprocess.Popen(serve("--http", "127.0.0.1:0", "--model", str(a), "--vram-table", str(table),
-                                  "--devices", f"2x{2 * room}", "--replicas", "2"),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    try:
-        found = re.search(r"http://([^/\s]+)/v1", proc.stdout.readline() if proc.stdout else "")
-        assert found, proc.stderr.read()[-2000:] if proc.stderr else ""
-        _, stats = call(found.group(1), "GET", "/v1/kvrt/stats")
+    with serving(serve("--http", "127.0.0.1:0", "--model", str(a), "--vram-table", str(table),
+                       "--devices", f"2x{2 * room}", "--replicas", "2"), ENV) as (proc, address, _):
+        _, stats = http_call(address, "GET", "/v1/kvrt/stats")
         ledger = stats["kvrt:ledger"]
         assert ledger["placements"] == {"a": "device 0 + device 1"}
         assert set(ledger["devices"]["1"]["by_owner"]) == {"model:a.gguf@1", "http:a@1"}
         for agent in ("ada", "bob", "ada"):
-            host, port = found.group(1).rsplit(":", 1)
-            connection = http.client.HTTPConnection(host, int(port), timeout=WAIT_S)
-            connection.request("POST", "/v1/completions", json.dumps({"model": "a", "prompt": [1, 2, 3, 4],
-                                                                      "max_tokens": 3, "temperature": 0}),
-                               {"content-type": "application/json", "X-Kvrt-Agent": agent})
-            assert connection.getresponse().status == 200
-            connection.close()
+            status, _ = http_call(address, "POST", "/v1/completions", {"model": "a", "prompt": [1, 2, 3, 4],
+                                                                       "max_tokens": 3, "temperature": 0},
+                                  {"X-Kvrt-Agent": agent})
+            assert status == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=WAIT_S) == 0, proc.stderr.read()[-2000:] if proc.stderr else ""
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()

@@ -78,3 +78,28 @@ def test_the_summary_tool_groups_a_real_trace(tiny_model, tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "tools" / "step_trace_summary.py"), str(tmp_path / "none")],
                          capture_output=True, text=True)
     assert bad.returncode == 1 and "none" in bad.stderr
+
+
+def test_a_pools_engine_traces_to_its_models_file(tiny_model_path, tmp_path):
+    """ModelPool(step_trace_dir=DIR) (kvrt serve --step-trace DIR): a model's engine writes DIR/<model>.jsonl, and
+    the file is whole once the pool is closed."""
+    from kvrt.accounting.ledger import VramLedger
+    from kvrt.serve.model_pool import ModelPool
+    from kvrt.serve.registry import ModelRegistry
+
+    registry = ModelRegistry(VramLedger(8 << 30), table={tiny_model_path.name: 1 << 20}, measure=False)
+    config = EngineConfig(n_ctx=512, n_seq_max=2, n_batch=64, prefill_chunk=16, flash_attn="off")
+    pool = ModelPool(registry, config, models={"tiny": tiny_model_path}, step_trace_dir=tmp_path / "steps")
+    try:
+        pool.preload("tiny")
+        held = pool.hold("tiny")
+        assert held is not None
+        engine, release = held
+        engine.submit(Request([1, 2, 3, 4, 5], GenerationParams(max_tokens=3))).result(WAIT_S)
+        steps = engine.stats().steps
+        release()
+    finally:
+        pool.close_engines()
+        pool.close()
+        registry.close()
+    assert len(read_trace(tmp_path / "steps" / "tiny.jsonl")) == steps > 0

@@ -33,6 +33,7 @@ from typing import Any
 from kvrt.accounting.devices import DeviceCharge
 from kvrt.accounting.estimate import context_estimate
 from kvrt.accounting.ledger import LedgerDenied, Reservation
+from kvrt.engine.model import Model
 from kvrt.errors import KvrtError
 from kvrt.runtime.admission import EngineConfig
 from kvrt.runtime.batching import Engine
@@ -325,12 +326,9 @@ class ModelPool:
                 if evict and not self._hopeless(weights + cells) and self._unload_lru(name):
                     continue
                 raise
-            trace = StepTrace(self.step_trace_dir / f"{name}.jsonl") if self.step_trace_dir is not None else None
             try:
-                engine = Engine(entry.model, config, host_memory=self._host_memory, trace=trace)
+                engine = self._new_engine(entry.model, name)
             except BaseException:
-                if trace is not None:
-                    trace.close()
                 registry.give_back(context)
                 registry.release(entry)
                 raise
@@ -372,18 +370,25 @@ class ModelPool:
             except LedgerDenied as denied:  # taken meanwhile (the socket front): fewer copies, not a failed load
                 log.info("model %s: no replica on device %d: %s", name, placement.main, denied)
                 return
-            trace = (StepTrace(self.step_trace_dir / f"{name}@{placement.main}.jsonl")
-                     if self.step_trace_dir is not None else None)
             try:
-                engine = Engine(copy.model, self.config, host_memory=self._host_memory, trace=trace)
+                engine = self._new_engine(copy.model, f"{name}@{placement.main}")
             except BaseException:
-                if trace is not None:
-                    trace.close()
                 registry.give_back(context)
                 registry.release(copy)
                 raise
             loaded.replicas.append(_Replica(engine, copy, context))
             log.info("model %s: a replica on device %d", name, placement.main)
+
+    def _new_engine(self, model: Model, trace_name: str) -> Engine:
+        """An engine of ``model`` with the pool's config and host memory, its steps traced to ``trace_name``.jsonl
+        in the step trace folder (if any; closed again when the engine cannot be made)."""
+        trace = StepTrace(self.step_trace_dir / f"{trace_name}.jsonl") if self.step_trace_dir is not None else None
+        try:
+            return Engine(model, self.config, host_memory=self._host_memory, trace=trace)
+        except BaseException:
+            if trace is not None:
+                trace.close()
+            raise
 
     def route(self, name: str, engine: Engine, tokens: Sequence[int]) -> Engine:
         """The copy of ``name`` that should serve a request of ``tokens``, ``engine`` being the one its hold gave:
