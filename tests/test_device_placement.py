@@ -11,6 +11,7 @@ charges come from a table (the registry's ``model_vram``) so every number is kno
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,10 @@ from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import VramLedger
 from kvrt.accounting.placement import FreeMemoryPolicy, Placement
 from kvrt.bindings import ffi, lib
-from kvrt.engine.generation import GenerationParams
+from kvrt.engine.context import Context
+from kvrt.engine.generation import GenerationParams, generate
 from kvrt.engine.model import SPLIT_MODES, Model, ModelParams
+from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import InvalidArgument, KvrtError
 from kvrt.modelfiles.testmodels import write_model
 from kvrt.runtime.admission import EngineConfig
@@ -410,18 +413,19 @@ class Replicated:
     """An OpenAI server over a pool with up to two copies of every model on two emulated devices of 4 and 5 rooms
     (a room: ``a``'s weights and its engine's context); ``b`` needs 3.5 rooms, so one copy of it at most."""
 
-    def __init__(self, models_dir: Path) -> None:
+    def __init__(self, models_dir: Path, config: EngineConfig = CONFIG) -> None:
         room = WEIGHTS + context_bytes(models_dir)
         self.devices = device_set(4 * room, 5 * room)
         self.registry = registry_on(self.devices, {"a.gguf": WEIGHTS,
                                                    "b.gguf": 3 * room + room // 2 - context_bytes(models_dir)})
-        self.pool = ModelPool(self.registry, CONFIG, models_dir=models_dir, replicas=2)
+        self.pool = ModelPool(self.registry, config, models_dir=models_dir, replicas=2)
         self.server = OpenAIServer(self.pool, default_max_tokens=4)
         self.host, self.port = self.server.start("127.0.0.1", 0)
 
     def complete(self, model: str, prompt: list[int], agent: str) -> dict[str, Any]:
         status, reply = http_call(f"{self.host}:{self.port}", "POST", "/v1/completions",
-                                  {"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0},
+                                  {"model": model, "prompt": prompt, "max_tokens": 3, "temperature": 0,
+                                   "return_tokens": True},
                                   {"X-Kvrt-Agent": agent})
         assert status == 200, reply
         return dict(reply)
@@ -472,6 +476,38 @@ def test_an_agents_next_turn_goes_to_the_device_that_holds_its_history(replicate
     replicated.complete("a", history + [41, 45], "ada")  # device 0 would win on the numbers; its history is on 1
     assert engines[1].stats().reused_tokens >= reused + len(history)
     assert engines[0].cached_prefix(history).result(WAIT_S) == 0
+
+
+def test_an_agent_moved_to_another_device_goes_on_token_for_token(models_dir: Path):
+    """The agent's history taken out of device 1's copy and put into device 0's host tier: its next turn is routed
+    there, restores all of it, and answers what a fresh context computing the whole prompt answers (the tiny F32
+    model with flash attention off is exact under batching and restores)."""
+    pytest.importorskip("fastapi", reason="the serve extra is not installed")
+    served = Replicated(models_dir, replace(CONFIG, host_bytes=16 << 20))
+    try:
+        history = [1, 5, 9, 13, 17, 21, 25, 29, 33, 37]
+        first = served.complete("a", history, "ada")["choices"][0]["tokens"]
+        engines = served.engines("a")
+        assert engines[1].cached_prefix(history).result(WAIT_S) == len(history)  # the most free device first
+        address = f"{served.host}:{served.port}"
+        status, error = http_call(address, "POST", "/v1/kvrt/agents/ada/move", {"model": "a", "device": 7})
+        assert status == 400 and "no copy on device 7" in error["error"]["message"], error
+        assert http_call(address, "POST", "/v1/kvrt/agents/a%20b/move", {"model": "a", "device": 0})[0] == 400
+        assert http_call(address, "POST", "/v1/kvrt/agents/ada/move", {"model": "zz", "device": 0})[0] == 404
+        assert http_call(address, "POST", "/v1/kvrt/agents/ada/move", {"model": "b", "device": 0})[0] == 409
+        status, moved = http_call(address, "POST", "/v1/kvrt/agents/ada/move", {"model": "a", "device": 0})
+        assert status == 200 and moved["moved_tokens"] == len(history) + len(first) - 1, moved  # last not decoded
+        assert engines[1].cached_prefix(history).result(WAIT_S) == 0
+        assert served.pool.move_agent("a", "nobody", 0) == 0
+        restored = engines[0].stats().restored_tokens
+        turn = history + first + [41, 45]
+        second = served.complete("a", turn, "ada")["choices"][0]["tokens"]
+        assert engines[0].stats().restored_tokens - restored == len(history) + len(first) - 1
+        with Model(models_dir / "a.gguf", n_gpu_layers=0) as model, Context(model, n_ctx=512, flash_attn="off") as ctx:
+            assert second == generate(ctx, turn, GenerationParams(max_tokens=3, sampling=SamplingParams(
+                temperature=0.0))).tokens
+    finally:
+        served.close()
 
 
 def test_replicas_need_a_device_set(models_dir: Path):

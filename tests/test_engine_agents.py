@@ -20,7 +20,7 @@ from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import KvrtError
 from kvrt.runtime.batching import Engine
 from kvrt.runtime.host_tier import ALIGN, HostTier
-from kvrt.runtime.requests import Request
+from kvrt.runtime.requests import AgentBusy, Request
 
 WAIT_S = 60.0
 
@@ -151,3 +151,25 @@ def test_the_host_tier_drops_anonymous_copies_before_an_agents():
     assert tier.keep([5, 6], ALIGN, lambda view: ALIGN)  # room for two: one leaves
     assert tier.longest([1, 2])[1] == 2 and tier.longest([3, 4])[1] == 0
     assert tier.longest([1, 2])[0].owner == "a"
+
+
+def test_hand_over_takes_an_agents_slot_or_host_copy_and_refuses_while_it_runs(tiny_model):
+    """``hand_over`` gives the agent's cached slot and empties it; put back into the host tier, it gives that copy;
+    a queued or running request of the agent refuses it."""
+    prompt = tiny_model.tokenize("an agent's history that is about to move elsewhere: " * 2)
+    with engine(tiny_model, host_bytes=1 << 24) as eng:
+        first = eng.submit(Request(prompt, greedy(4), agent="a")).result(WAIT_S).choices[0].tokens
+        assert eng.hand_over("nobody").result(WAIT_S) is None
+        tokens, state = eng.hand_over("a").result(WAIT_S)
+        assert list(tokens) == prompt + first[:-1] and state.nbytes > 0
+        assert eng.cached_prefix(prompt).result(WAIT_S) == 0 and eng.hand_over("a").result(WAIT_S) is None
+        assert eng.preload(tokens, state, owner="a").result(WAIT_S)  # back, as a host copy
+        back, _ = eng.hand_over("a").result(WAIT_S)
+        assert back == tokens and eng.cached_prefix(prompt).result(WAIT_S) == 0
+    gate = StepGate()
+    with engine(tiny_model, gate) as eng:
+        eng.submit(Request(prompt, greedy(4), agent="a"))
+        refused = eng.hand_over("a")
+        gate.allow(1)  # the command runs before that step admits the request: it is queued
+        with pytest.raises(AgentBusy, match="queued or running"):
+            refused.result(WAIT_S)

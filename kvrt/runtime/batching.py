@@ -70,6 +70,7 @@ from kvrt.runtime.host_tier import HostMemory, HostTier
 from kvrt.runtime.live import Choice, Live
 from kvrt.runtime.prefix_cache import PrefixCache
 from kvrt.runtime.requests import (
+    AgentBusy,
     EngineClosed,
     EngineError,
     EngineOverloaded,
@@ -234,6 +235,22 @@ class Engine:
             return max(self.cache.longest_prefix(probe)[1], self.cache.host_prefix(probe)[1])
 
         return self._call(longest)
+
+    def hand_over(self, agent: str) -> Future[tuple[tuple[int, ...], np.ndarray] | None]:
+        """Take ``agent``'s history out of this engine, to move it to another (another device's copy of the model:
+        :meth:`preload` it there): the tokens and llama.cpp sequence state of what this engine keeps of it (a
+        cached slot, else a host copy), removed from here; ``None`` when it keeps nothing. Refused
+        (:class:`AgentBusy`) while a request of the agent is queued or running here: its history is still
+        growing."""
+
+        def take() -> tuple[tuple[int, ...], np.ndarray] | None:
+            with self._lock:
+                queued = any(p.stream.request.agent == agent for p in self._queue)
+            if queued or any(live.request.agent == agent for live in self._live):
+                raise AgentBusy(f"agent {agent!r} has a request queued or running here; move it between turns")
+            return self.cache.hand_over(agent)
+
+        return self._call(take)
 
     def unpin(self, pin_id: str) -> Future[bool]:
         """Let a pinned prefix be evicted again; the future says whether ``pin_id`` was pinned."""

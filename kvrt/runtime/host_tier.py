@@ -235,6 +235,18 @@ class HostTier:
         self._dropped += 1
         entry.piece.release()
 
+    def pop_owned(self, owner: str) -> tuple[tuple[int, ...], np.ndarray] | None:
+        """Take ``owner``'s history out: the tokens and a copy of the state of its longest entry (``None`` when it
+        has none), every entry it owns dropped."""
+        owned = [entry for _, entry in self._entries.items() if entry.owner == owner]
+        if not owned:
+            return None
+        longest = max(owned, key=lambda entry: len(entry.tokens))
+        taken = longest.tokens, longest.state.copy()
+        for entry in owned:
+            self._drop(entry.tokens)
+        return taken
+
     def clear(self) -> None:
         """Drop every entry, giving its memory back to the arena."""
         for key, _ in list(self._entries.items()):

@@ -249,6 +249,22 @@ class PrefixCache:
         mirror's yet)."""
         return slot in self._unsettled
 
+    def hand_over(self, owner: str) -> tuple[tuple[int, ...], np.ndarray] | None:
+        """Take ``owner``'s history out of this cache, to go into another engine: the tokens and llama.cpp sequence
+        state of the unpinned cached slot it owns that holds the most (else of its longest host copy); that slot
+        evicted without a host copy and its host copies dropped. ``None`` when it holds nothing here."""
+        slots = [s for s in range(self.n_slots) if self._owner[s] == owner and self.reusable(s)]
+        host = self.host.pop_owned(owner) if self.host is not None else None
+        if not slots:
+            return host
+        slot = max(slots, key=self.held)
+        state = np.empty(self.ctx.seq_state_size(slot), dtype=np.uint8)
+        written = self.ctx.seq_state_get(slot, state)
+        taken = tuple(self._tokens[slot].view().tolist()), state[:written]
+        for other in slots:
+            self.evict(other, keep_copy=False)
+        return taken
+
     def padding(self, seqs: Collection[int]) -> list[Feed]:
         """Split layout: a throwaway token (id 0, no logits) at the next position of every slot between the lowest
         and highest of ``seqs`` that is not among them and can take one: free or cached, no stream copy pending,

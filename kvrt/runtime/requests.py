@@ -45,6 +45,10 @@ class EngineClosed(EngineError):
     """The engine was closed before or while the request ran."""
 
 
+class AgentBusy(EngineError):
+    """An agent's history cannot be handed over while a request of it is queued or running."""
+
+
 @dataclass(frozen=True)
 class Request:
     """One completion request for the engine.

@@ -379,6 +379,41 @@ class ModelPool:
             loaded.replicas.append(_Replica(engine, copy, context))
             log.info("model %s: a replica on device %d", name, placement.main)
 
+    def move_agent(self, name: str, agent: str, device: int) -> int:
+        """Move ``agent``'s history between the copies of ``name`` (``--replicas``) to the one on ``device``: taken
+        out of whichever copies keep it (:meth:`kvrt.runtime.batching.Engine.hand_over`) and put into that copy's
+        host tier, so its next turn, routed by prefix affinity, restores it there instead of computing it again.
+        Returns the tokens moved (0: no other copy kept any). Refused (:class:`KvrtError`): a model not loaded or
+        with no copy on ``device``, an agent with a request running, a target with no host tier room (the history
+        is then put back where it was)."""
+        held = self.hold(name)
+        if held is None:
+            raise KvrtError(f"model {name!r} is not loaded")
+        release = held[1]
+        try:
+            with self._lock:
+                engines = self._loaded[name].engines()
+            if device not in engines:
+                raise KvrtError(f"model {name!r} has no copy on device {device}; its copies: {sorted(engines)}")
+            moved = 0
+            for source, engine in engines.items():
+                if source == device:
+                    continue
+                taken = engine.hand_over(agent).result()
+                if taken is None:
+                    continue
+                tokens, state = taken
+                if not engines[device].preload(tokens, state, owner=agent).result():
+                    engine.preload(tokens, state, owner=agent).result()
+                    raise KvrtError(f"device {device}'s copy of {name!r} has no host tier room for agent {agent!r}'s "
+                                    f"{state.nbytes} bytes of KV; it stays on device {source}")
+                log.info("agent %r: %d tokens of history moved from device %d to %d", agent, len(tokens), source,
+                         device)
+                moved = max(moved, len(tokens))
+            return moved
+        finally:
+            release()
+
     def _new_engine(self, model: Model, trace_name: str) -> Engine:
         """An engine of ``model`` with the pool's config and host memory, its steps traced to ``trace_name``.jsonl
         in the step trace folder (if any; closed again when the engine cannot be made)."""

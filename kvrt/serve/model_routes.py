@@ -25,9 +25,11 @@ from fastapi import Request as HttpRequest
 from kvrt.accounting.ledger import LedgerDenied
 from kvrt.errors import KvrtError
 from kvrt.runtime.batching import Engine
-from kvrt.runtime.requests import EngineClosed
+from kvrt.runtime.requests import AgentBusy, EngineClosed
 from kvrt.serve.api_error import ApiError
 from kvrt.serve.model_pool import ModelBusy, ModelPool, UnknownModel
+from kvrt.serve.openai_schema import MoveBody
+from kvrt.serve.results import check_agent_id
 
 LOAD_TRIES = 3  # a model unloaded between its load and this request's hold is loaded again, this many times
 
@@ -107,6 +109,32 @@ class ModelRoutes:
         except KvrtError as exc:
             raise api_error(exc) from None
         return {**self.card(name), "unloaded": unloaded}
+
+    async def move_agent(self, agent: str, body: MoveBody) -> dict[str, Any]:
+        """``POST /v1/kvrt/agents/{agent}/move`` ``{"model", "device"}``: the agent's history moved to that copy of
+        the model (:meth:`kvrt.serve.model_pool.ModelPool.move_agent`); ``moved_tokens`` 0 when no other copy kept
+        any. 400 for an agent id that is not one or a device with no copy (or no room there), 404 for an unknown
+        model, 409 for a model not loaded or while a request of the agent runs."""
+        try:
+            agent = check_agent_id(agent)
+        except KvrtError as exc:
+            raise ApiError(400, f"agent: {exc}", param="agent", code="invalid_agent_id") from None
+        if body.model not in self.pool.names():
+            raise api_error(UnknownModel(f"the model {body.model!r} does not exist; this server has "
+                                         f"{self.pool.names()}"))
+        if not self.pool.is_loaded(body.model):
+            raise ApiError(409, f"the model {body.model!r} is not loaded: no agent's history is kept in it",
+                           code="model_not_loaded")
+        try:
+            moved = await asyncio.to_thread(self.pool.move_agent, body.model, agent, body.device)
+        except AgentBusy as exc:
+            raise ApiError(409, str(exc), code="agent_busy") from None
+        except EngineClosed as exc:
+            raise api_error(exc) from None
+        except KvrtError as exc:
+            raise ApiError(400, str(exc), param="device") from None
+        return {"object": "kvrt.agent_move", "agent": agent, "model": body.model, "device": body.device,
+                "moved_tokens": moved}
 
     def stats(self) -> dict[str, Any]:
         """The pool's and the ledger's state, under keys no model's name can take."""

@@ -209,6 +209,13 @@ class PinBody(_Strict):
     exact_prefix: bool | None = None  # prefilled as exact requests are, so they can reuse it (None: the server's)
 
 
+class MoveBody(_Strict):
+    """``/v1/kvrt/agents/{agent}/move``: to the copy of ``model`` on ``device`` (``kvrt serve --replicas``)."""
+
+    model: str
+    device: int
+
+
 class TokenizeBody(_Strict):
     """``/tokenize`` (llama-server's shape); ``model`` may be left out when the server has one model."""
 

@@ -21,7 +21,9 @@ engine's queue is full. kvrt's own routes live under ``/v1/kvrt/``:
     ``kvrt:ledger`` and ``kvrt:agents`` every model's state, the VRAM ledger's numbers and the
     agents' state dir (saved turns, agents waiting to be restored, damaged entries skipped, failed saves);
 ``POST /v1/kvrt/models/{name}/load`` / ``POST /v1/kvrt/models/{name}/unload``
-    load or unload a model of the pool (see :mod:`kvrt.serve.model_routes`: on-demand loads, 507, 409).
+    load or unload a model of the pool (see :mod:`kvrt.serve.model_routes`: on-demand loads, 507, 409);
+``POST /v1/kvrt/agents/{agent}/move``
+    ``{"model", "device"}``: an agent's history to the copy of the model on that device (``--replicas``).
 
 Agents: a request names its agent by the ``X-Kvrt-Agent`` header or ``user``; its history is kept
 between turns and, with a state dir, saved before each turn is answered and restored after a
@@ -106,6 +108,7 @@ from kvrt.serve.openai_schema import (
     CompletionBody,
     DetokenizeBody,
     ForkBody,
+    MoveBody,
     PinBody,
     TokenizeBody,
     check_json,
@@ -219,6 +222,7 @@ class OpenAIServer:
         app.get("/v1/models/{model_id}")(self.models.get_model)
         app.post("/v1/kvrt/models/{name}/load")(self.models.load)
         app.post("/v1/kvrt/models/{name}/unload")(self.models.unload)
+        app.post("/v1/kvrt/agents/{agent}/move")(self._move_agent)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
         app.post("/v1/responses")(self.responses)
@@ -420,6 +424,9 @@ class OpenAIServer:
         finally:
             release()
         return {"id": pin_id, "object": "kvrt.pin", "deleted": deleted}
+
+    async def _move_agent(self, agent: str, request: HttpRequest) -> dict[str, Any]:
+        return await self.models.move_agent(agent, parse(MoveBody, await self._json(request)))
 
     async def stats(self) -> dict[str, Any]:
         engines = {name: asdict(engine.stats()) for name, engine in self.engines.items()}
