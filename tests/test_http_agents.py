@@ -140,7 +140,9 @@ def test_an_agent_survives_a_restart_token_identically(tmp_path: Path, tiny_mode
         assert stats(a)["kvrt:agents"]["saved_turns"] == 2
     assert [o for _, o, _ in two] == [o for _, o, _ in reference[:2]]
     with http_front(tiny_model_path, state) as b:
-        assert stats(b)["kvrt:agents"]["waiting_to_restore"] == 1
+        assert b.server.agents.prefetching is not None and b.server.agents.prefetching.result(WAIT_S) == 1
+        agents = stats(b)["kvrt:agents"]
+        assert agents["waiting_to_restore"] == 0 and agents["prefetched"] == 1  # from disk into host memory at start
         before = stats(b)[tiny_model_path.stem]
         p3, o3, cached = three_turns(b, tiny_model, "agent-1", outputs=[o1, o2])[2]
         after = stats(b)[tiny_model_path.stem]
@@ -164,9 +166,10 @@ def test_a_damaged_entry_is_named_and_skipped_and_the_others_come_back(tmp_path:
     data[len(data) // 2] ^= 0xFF
     kv.write_bytes(bytes(data))
     with caplog.at_level(logging.WARNING, logger="kvrt.serve.http_agents"), http_front(tiny_model_path, state) as b:
+        assert b.server.agents.prefetching is not None and b.server.agents.prefetching.result(WAIT_S) == 1
         agents = stats(b)["kvrt:agents"]
         assert [(p["agent"], p["file"]) for p in agents["problems"]] == [("bad", kv.name)]
-        assert agents["waiting_to_restore"] == 1
+        assert agents["waiting_to_restore"] == 0 and agents["prefetched"] == 1  # the good one
         good = prompts["good"] + outputs["good"] + words(tiny_model, " go on")
         bad = prompts["bad"] + outputs["bad"] + words(tiny_model, " go on")
         assert turn(b, good, user="good")[1] == len(good) - len(words(tiny_model, " go on")) - 1
@@ -236,3 +239,17 @@ def test_anonymous_requests_save_nothing(tmp_path: Path, tiny_model_path: Path, 
         turn(front, tiny_model.tokenize("nobody in particular"))
         assert stats(front)["kvrt:agents"]["saved_turns"] == 0
     assert not list((state / "http").glob("*.agent.json"))
+
+
+def test_the_start_prefetch_stops_once_the_host_tier_is_full(tmp_path: Path, tiny_model_path: Path, tiny_model):
+    """Three saved agents of ~600 tokens (~600 KB of KV each) and a 1 MiB host tier: the prefetch puts one, the
+    second pushes it out (a drop), and the third is left for its first request instead of pushing out more."""
+    state = tmp_path / "state"
+    long = ["--n-ctx", "4096", "--host-mib", "1"]
+    with http_front(tiny_model_path, state, *long) as a:
+        for name in ("x", "y", "z"):
+            turn(a, tiny_model.tokenize(f"agent {name} " + "talks at length " * 150)[:600], user=name)
+    with http_front(tiny_model_path, state, *long) as b:
+        assert b.server.agents.prefetching is not None and b.server.agents.prefetching.result(WAIT_S) == 2
+        agents = stats(b)["kvrt:agents"]
+        assert agents["prefetched"] == 2 and agents["waiting_to_restore"] == 1 and agents["problems"] == []

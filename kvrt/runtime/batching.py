@@ -269,7 +269,8 @@ class Engine:
             decode_s=clock.decode_s, admit_s=clock.admit_s, fill_s=clock.fill_s, sample_s=clock.sample_s,
             host_cpu_s=clock.host_cpu_s, queued=queued, active=len(self._live), used_cells=cache.used_cells,
             n_cells=cache.n_cells, slots=tuple(cache.describe()), kv_layout="unified" if cache.shared else "split",
-            slot_cells=cache.slot_cells, relayouts=self._relayouts, micro_batches=self._micro_batches)
+            slot_cells=cache.slot_cells, relayouts=self._relayouts, micro_batches=self._micro_batches,
+            host_dropped=host.dropped if host else 0)
 
     def close(self) -> None:
         """Stop the worker; waiting and running requests end with :class:`EngineClosed`."""

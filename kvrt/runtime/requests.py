@@ -304,5 +304,6 @@ class EngineStats:
     kv_layout: str  # "split" (a KV stream per slot) or "unified" (one pool), see EngineConfig.kv_layout
     slot_cells: int  # the most one slot can hold in that layout
     relayouts: int  # times the context was recreated in the other layout (kv_layout "auto")
+    host_dropped: int = 0  # host tier entries dropped (least recently used out for room, or held whole by a newer one)
     micro_batches: int = 0  # llama.cpp's micro-batches of the steps' batches (kvrt.engine.micro_batches): each
     # reads every weight once, so micro_batches / steps above 1 is a GPU step's cost growing

@@ -28,8 +28,10 @@ model served from its model path (same fingerprint: at start for a model loaded 
 agent's first request for one loaded on demand); one that fails (damaged, another model now,
 a model this server does not serve) is a :class:`kvrt.state.agentstore.StateProblem`, logged,
 listed in ``/v1/kvrt/stats`` and skipped: that agent starts fresh, the others come back. A
-verified agent's KV is read again on its first request and put into its engine's host tier
-(:meth:`kvrt.runtime.batching.Engine.preload`) before the request is queued, so that turn
+verified agent's KV is read again and put into its engine's host tier
+(:meth:`kvrt.runtime.batching.Engine.preload`): at start, in the background, for the models
+loaded then, until the tier is full (:meth:`AgentBook.prefetch`); else on its first request,
+before the request is queued. Either way that turn
 restores its whole history instead of prefilling it, and its output is the one a server that
 never stopped gives (same KV, same computation of the rest). Where the engine cannot take the
 state (another KV layout, no host tier) the turn prefills its transcript instead.
@@ -41,12 +43,14 @@ import asyncio
 import logging
 import threading
 from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from kvrt.engine.context import Context
 from kvrt.errors import KvrtError
 from kvrt.runtime.batching import Engine
+from kvrt.runtime.requests import EngineClosed
 from kvrt.serve.api_error import ApiError
 from kvrt.serve.results import check_agent_id
 from kvrt.serve.statedir import check_model
@@ -106,6 +110,9 @@ class AgentBook:
         self._turns: dict[str, Turn] = {}  # request stream id -> the turn saved as it ends (event loop only)
         self._locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
+        self._closing = False
+        self.prefetched = 0  # agents put into host memory at start (prefetch), not by their first request
+        self.prefetching: Future[int] | None = None
 
     @property
     def unsaved(self) -> dict[str, str]:
@@ -115,7 +122,8 @@ class AgentBook:
     def describe(self) -> dict[str, Any]:
         """What ``/v1/kvrt/stats`` shows of the agents' state dir."""
         return {"state_dir": str(self.store.directory) if self.store is not None else None,
-                "waiting_to_restore": len(self._waiting), "saved_turns": self.saved_turns,
+                "waiting_to_restore": len(self._waiting), "prefetched": self.prefetched,
+                "saved_turns": self.saved_turns,
                 "problems": [{"agent": p.agent_id, "file": p.file, "reason": p.reason} for p in self.problems],
                 "unsaved": self.unsaved}
 
@@ -159,26 +167,64 @@ class AgentBook:
         with self._lock:
             self.problems.extend(problems)
 
-    def prepare(self, agent: str | None, model: str, engine: Engine) -> None:
+    def prepare(self, agent: str | None, model: str, engine: Engine) -> bool:
         """Before ``agent``'s request to ``model`` (served by ``engine``) is queued (a worker thread, blocking): its
-        saved KV, if it waits to be restored and was saved with that model, into the engine's host tier. A failure
-        now is a problem of that agent (its turn prefills)."""
+        saved KV, if it waits to be restored and was saved with that model, into the engine's host tier; whether
+        this call put it there. A failure now is a problem of that agent (its turn prefills); an engine closing
+        meanwhile leaves it waiting."""
         if agent is None or agent not in self._waiting:
-            return
+            return False
         with self._lock:
             lock = self._locks.setdefault(agent, threading.Lock())
         with lock:  # a second request of the agent waits for the first one's restore
             waiting = self._waiting.get(agent)
             if waiting is None or waiting[1] != model:  # its history is another model's: it waits for that one
-                return
+                return False
             record = waiting[0]
             try:
                 check_model(record, engine.model)
                 self._restore(record, engine)
+            except EngineClosed:
+                raise
             except (KvrtError, OSError) as exc:
                 self._note([StateProblem(agent, getattr(exc, "file", record.manifest_name), str(exc))])
-            finally:
                 del self._waiting[agent]
+                return False
+            del self._waiting[agent]
+            return True
+
+    def prefetch(self, loaded: Mapping[str, Engine]) -> Future[int]:
+        """Put every waiting agent whose model is loaded now into that model's host tier, on a thread of its own,
+        instead of on each agent's first request (which then only restores it from host memory, not from disk):
+        the future says how many were put. An agent whose request comes first does it itself (one lock an agent);
+        a model unloaded meanwhile leaves its agents waiting; :meth:`close` stops it between agents. It stops
+        putting agents into an engine whose host tier has dropped an entry since it began: the tier is full, and
+        more would only push out the ones it put (those left wait for their first request, as before)."""
+        done: Future[int] = Future()
+        self.prefetching = done
+        waiting = [(agent, name) for agent, (_, name) in list(self._waiting.items()) if name in loaded]
+
+        def run() -> None:
+            put = 0
+            dropped: dict[str, int] = {}  # model -> its host tier's drops when the prefetch began
+            try:
+                for agent, name in waiting:
+                    engine = loaded.get(name)
+                    if self._closing or engine is None:
+                        continue
+                    drops = engine.stats().host_dropped
+                    if dropped.setdefault(name, drops) != drops:
+                        continue
+                    try:
+                        put += self.prepare(agent, name, engine)
+                    except EngineClosed:
+                        continue
+            finally:
+                self.prefetched = put
+                done.set_result(put)
+
+        threading.Thread(target=run, name="kvrt-agents-prefetch", daemon=True).start()
+        return done
 
     def _restore(self, record: AgentRecord, engine: Engine) -> None:
         assert self.store is not None
@@ -243,6 +289,7 @@ class AgentBook:
             turn.release()
 
     def close(self) -> None:
-        """Release the state dir's lock."""
+        """Release the state dir's lock (a prefetch under way stops after the agent it is at)."""
+        self._closing = True
         if self.store is not None:
             self.store.close()

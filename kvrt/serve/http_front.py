@@ -79,6 +79,7 @@ def start_front(options: HttpOptions, config: EngineConfig, registry: ModelRegis
         for name in names:
             pool.preload(name)
         agents.verify(pool.paths(), pool.engines)
+        agents.prefetch(pool.engines)  # saved agents of the models loaded now: from disk into host memory
         server = OpenAIServer(pool, default_max_tokens=options.max_tokens,
                               request_timeout_s=options.request_timeout_s, max_input_bytes=options.max_input_bytes,
                               api_key=options.api_key, sse_keepalive_s=options.sse_keepalive_s,
