@@ -108,7 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pad-gaps", choices=("on", "off"), default="on",
                         help="split layout: a step whose sequences leave idle slots between them gives those slots a "
                              "throwaway token, removed after the step, when that makes fewer llama.cpp micro-batches "
-                             "(each reads all the weights; llama.cpp puts only consecutive slots in one)")
+                             "(each reads all the weights; llama.cpp puts only consecutive slots in one) without "
+                             "costing more attention than the weight passes it saves")
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="clients served at once; more get ERR TOO_MANY_CONNECTIONS")
     parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,

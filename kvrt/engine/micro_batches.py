@@ -22,28 +22,44 @@ to any decision.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def count_micro_batches(rows: Sequence[tuple[int, int]], n_ubatch: int, *, per_stream: bool) -> int:
     """Micro-batches of a batch whose rows are ``(sequence id, tokens)`` in batch order (a sequence at most once),
     split as llama.cpp splits it with ``n_ubatch`` (``per_stream``: a KV stream per sequence)."""
-    total = sum(tokens for _, tokens in rows)
     if not per_stream:
-        return math.ceil(total / n_ubatch)
+        return math.ceil(sum(tokens for _, tokens in rows) / n_ubatch)
+    return len(split_per_stream(rows, n_ubatch))
+
+
+def split_per_stream(rows: Sequence[tuple[int, int]], n_ubatch: int) -> list[dict[int, int]]:
+    """The micro-batches of a batch with a KV stream per sequence (rows as :func:`count_micro_batches` takes
+    them), each as sequence id -> its tokens in that micro-batch, in llama.cpp's order."""
     left = {seq: tokens for seq, tokens in rows if tokens > 0}
     order = [seq for seq, tokens in rows if tokens > 0]
-    count = 0
+    out: list[dict[int, int]] = []
     while left:
         run: list[int] = []
         for seq in order:  # llama.cpp walks the rows; a sequence joins when its id follows the last one's
             if seq in left and (not run or seq == run[-1] + 1) and len(run) <= n_ubatch:  # (its bound, to the letter)
                 run.append(seq)
         take = max(1, min(min(left[seq] for seq in run), n_ubatch // len(run)))
+        out.append(dict.fromkeys(run, take))
         for seq in run:
             left[seq] -= take
             if not left[seq]:
                 del left[seq]
         order = [seq for seq in order if seq in left]
-        count += 1
-    return count
+    return out
+
+
+def read_bytes(rows: Sequence[tuple[int, int]], n_ubatch: int, held: Callable[[int], int], weight_bytes: int,
+               cell_bytes: int) -> int:
+    """What a batch of ``rows`` (as :func:`split_per_stream` takes them) reads from memory with a KV stream per
+    sequence, as a GPU decode pays for it: every micro-batch reads all ``weight_bytes``, and each of its sequences
+    the K/V (``cell_bytes`` a cell) of as many cells as the longest of them will hold (``held(seq)`` before the
+    batch, plus its tokens), llama.cpp giving a micro-batch's streams one common length. A model for comparing two
+    layouts of the same step, not a prediction of its time."""
+    return sum(weight_bytes + len(part) * max(held(seq) + n for seq, n in part.items()) * cell_bytes
+               for part in split_per_stream(rows, n_ubatch))

@@ -52,7 +52,7 @@ class EngineConfig:
     bounds one request's prompt tokens per step; ``max_queue`` the requests waiting for
     admission before :class:`kvrt.runtime.requests.EngineOverloaded`. ``pad_gaps``: in the split layout, a step
     whose sequences leave idle slots between them gives each of those a throwaway token, removed after the step,
-    when that makes fewer llama.cpp micro-batches (:meth:`kvrt.runtime.prefix_cache.PrefixCache.padding`).
+    when that makes the step read fewer bytes (:meth:`kvrt.runtime.prefix_cache.PrefixCache.padding`).
     """
 
     n_ctx: int = 4096

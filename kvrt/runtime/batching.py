@@ -59,7 +59,8 @@ from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.decode_step import Feed, Landed, fill, greedy_picks
 from kvrt.engine.generation import GenerationParams
-from kvrt.engine.micro_batches import count_micro_batches
+from kvrt.engine.geometry import ModelGeometry
+from kvrt.engine.micro_batches import count_micro_batches, read_bytes
 from kvrt.engine.model import Model
 from kvrt.engine.sampling import SEEDS, Sampler
 from kvrt.errors import DecodeError, KvrtError
@@ -162,6 +163,8 @@ class Engine:
         self._steps = self._prefilled = self._reused = self._restored = self._decoded = self._relayouts = 0
         self._micro_batches = 0
         self._pads: list[Feed] = []  # this step's throwaway tokens (_fill), removed after its decode
+        geometry = ModelGeometry(model.n_layer, model.n_embd, model.n_head, model.n_head_kv, model.n_vocab)
+        self._step_bytes = model.size_bytes, geometry.kv_bytes_per_token()  # weights; K/V of a cell (_read_bytes)
         self._switch_to: bool | None = None  # the layout (shared?) the worker recreates the context in next
         self._idle_since: float | None = None  # when the worker last found nothing to decode (None: busy)
         self._clock = _StepClock()
@@ -479,20 +482,22 @@ class Engine:
 
     def _pad(self, feeds: list[Feed], decoding: int, landed: list[Landed]) -> list[Feed]:
         """The throwaway tokens (:meth:`PrefixCache.padding`) for the idle slots between the sequences of
-        ``landed``, when they make fewer llama.cpp micro-batches; they go after the ``decoding`` one-token feeds,
-        so they take budget from prompt chunks only (none when they would leave a chunk no token)."""
+        ``landed``, when they make the step read fewer bytes (:meth:`_read_bytes`); they go after the ``decoding``
+        one-token feeds, so they take budget from prompt chunks only (none when they would leave a chunk no token)."""
         pads = self.cache.padding([part.feed.seq for part in landed])
         used = sum(part.p1 - part.p0 for part in landed)
         squeezed = len(pads) - (self.ctx.n_batch - used)  # prompt tokens the pads take from the last chunk
         if not pads or (squeezed > 0 and (len(landed) == decoding or squeezed >= landed[-1].p1 - landed[-1].p0)):
             return []
-        n_ubatch = self.ctx.params.n_ubatch
         shape = sorted((part.feed.seq, part.p1 - part.p0) for part in landed)
         padded = sorted(shape + [(pad.seq, 1) for pad in pads])
-        if count_micro_batches(padded, n_ubatch, per_stream=True) >= count_micro_batches(shape, n_ubatch,
-                                                                                           per_stream=True):
-            return []
-        return pads
+        return pads if self._read_bytes(padded) < self._read_bytes(shape) else []
+
+    def _read_bytes(self, shape: list[tuple[int, int]]) -> int:
+        """:func:`kvrt.engine.micro_batches.read_bytes` of a step of ``shape`` ((slot, tokens), in slot order): a pad
+        pays off when it joins runs (one weight pass fewer) without lengthening a run's attention by more."""
+        weights, per_cell = self._step_bytes
+        return read_bytes(shape, self.ctx.params.n_ubatch, self.cache.held, weights, per_cell)
 
     def _decode(self, rows: list[_Row]) -> list[_Row] | None:
         """``ctx.decode`` of the batch: the rows decoded, or ``None`` when it failed and the requests in it did
