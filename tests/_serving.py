@@ -29,6 +29,18 @@ def http_call(address: str, method: str, path: str, body: Any = None,
         connection.close()
 
 
+def turn_body(model: str, prompt: list[int], max_tokens: int, *, user: str | None = None,
+              stream: bool = False) -> dict[str, Any]:
+    """A greedy completions body for one agent turn that answers with its tokens (and, streamed, its usage)."""
+    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "ignore_eos": True, "return_tokens": True, "stream": stream}
+    if user is not None:
+        body["user"] = user
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
 @contextmanager
 def serving(argv: Sequence[str], env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], str, str]]:
     """``kvrt serve`` with ``--http`` started from ``argv``: the process, its HTTP address and what it printed up to

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _serving import turn_body
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
 pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'kvrt[cluster]')")
@@ -100,12 +101,7 @@ def call(address: Address, method: str, path: str, body: Any = None,
 def turn(address: Address, model: str, prompt: list[int], *, user: str | None = None, stream: bool = False,
          headers: dict[str, str] | None = None) -> tuple[list[int], int, str | None]:
     """One greedy turn of ``prompt``: its output tokens, the prompt tokens it found cached, the replica."""
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": TURN_TOKENS, "temperature": 0,
-                            "ignore_eos": True, "return_tokens": True, "stream": stream}
-    if user is not None:
-        body["user"] = user
-    if stream:
-        body["stream_options"] = {"include_usage": True}
+    body = turn_body(model, prompt, TURN_TOKENS, user=user, stream=stream)
     status, answer_headers, raw = call(address, "POST", "/v1/completions", body, headers)
     assert status == 200, raw
     replica = answer_headers.get(REPLICA_HEADER.lower())

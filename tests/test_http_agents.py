@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _serving import turn_body
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
 
@@ -74,12 +75,7 @@ def turn(front: _http.HttpFront, prompt: list[int], *, user: str | None = None, 
          headers: dict[str, str] | None = None) -> tuple[list[int], int]:
     """One greedy turn of ``prompt``: its output tokens and the prompt tokens it found cached."""
     model = next(iter(front.pool.engines))
-    body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": TURN_TOKENS, "temperature": 0,
-                            "ignore_eos": True, "return_tokens": True, "stream": stream}
-    if user is not None:
-        body["user"] = user
-    if stream:
-        body["stream_options"] = {"include_usage": True}
+    body = turn_body(model, prompt, TURN_TOKENS, user=user, stream=stream)
     status, answer = call(front, "POST", "/v1/completions", body, headers)
     assert status == 200, answer
     if not stream:
