@@ -20,11 +20,8 @@ from kvrt.cluster.affinity import DEFAULT_PREFIX_CHARS, route_of
 from kvrt.cluster.replica import Head, relayed
 from kvrt.cluster.router import ROUTE_KWARG
 from kvrt.serve.api_error import ApiError
+from kvrt.serve.http_middleware import BodyTooLarge, read_body
 from kvrt.serve.openai_server import DEFAULT_MAX_INPUT_BYTES
-
-
-class BodyTooLarge(Exception):
-    """A request body over the ingress's ``max_input_bytes`` (answered 413)."""
 
 
 class Ingress:
@@ -38,9 +35,9 @@ class Ingress:
 
     async def __call__(self, request: Request) -> Response:
         try:
-            body = await self._body(request)
+            body = await read_body(request, self.max_input_bytes)
         except BodyTooLarge as exc:
-            error = ApiError(413, f"the request body is {exc} bytes; this cluster takes at most "
+            error = ApiError(413, f"the request body is {exc.size} bytes; this cluster takes at most "
                                   f"{self.max_input_bytes} (max_input_bytes)", code="request_too_large")
             return JSONResponse(error.body(), status_code=413)
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
@@ -60,19 +57,6 @@ class Ingress:
             return StreamingResponse(_rest(answer), status_code=head.status, headers=dict(head.headers))
         content = b"".join([chunk async for chunk in answer])
         return Response(content, status_code=head.status, headers=dict(head.headers))
-
-    async def _body(self, request: Request) -> bytes:
-        """The whole body, refused (:class:`BodyTooLarge`) as soon as it passes ``max_input_bytes``."""
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_input_bytes:
-            raise BodyTooLarge(declared)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_input_bytes:
-                raise BodyTooLarge(f"more than {size - len(chunk)}")
-            chunks.append(chunk)
-        return b"".join(chunks)
 
 
 async def _rest(answer: DeploymentResponseGenerator) -> AsyncIterator[bytes]:

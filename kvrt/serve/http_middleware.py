@@ -80,3 +80,27 @@ class Observe:
         finally:
             release(record)
             self._done(scope["method"], scope["path"], status, record)
+
+
+class BodyTooLarge(Exception):
+    """A request body over a front's ``max_input_bytes``; ``size`` says how large, as far as it was read (a byte
+    count, or "more than N")."""
+
+    def __init__(self, size: str) -> None:
+        super().__init__(size)
+        self.size = size
+
+
+async def read_body(request: Any, limit: int) -> bytes:
+    """The whole body of ``request`` (a Starlette request), refused (:class:`BodyTooLarge`) as soon as it is known
+    to exceed ``limit`` bytes: by its declared length, else while it arrives (nothing past the limit is kept)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(declared)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(f"more than {size - len(chunk)}")
+        chunks.append(chunk)
+    return b"".join(chunks)

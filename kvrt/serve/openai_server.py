@@ -95,7 +95,7 @@ from kvrt.serve.api_error import ApiError
 from kvrt.serve.chat_prompt import ToolPlan, chat_prompt, tool_plan, tools_of
 from kvrt.serve.context_policy import ContextShift, check_policy, shift_prompt
 from kvrt.serve.http_agents import HEADER, AgentBook, agent_of
-from kvrt.serve.http_middleware import Observe, RequireKey
+from kvrt.serve.http_middleware import BodyTooLarge, Observe, RequireKey, read_body
 from kvrt.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvrt.serve.metrics import RequestRecord, ServerMetrics
 from kvrt.serve.model_pool import ModelPool
@@ -470,20 +470,12 @@ class OpenAIServer:
 
     async def _body(self, request: HttpRequest) -> bytes:
         """The request body, refused with 413 as soon as it is known to exceed ``max_input_bytes``."""
-        def too_large(size: str) -> ApiError:
-            return ApiError(413, f"the request body is {size} bytes; this server takes at most {self.max_input_bytes}"
-                                 " (kvrt serve --max-input-bytes)", code="request_too_large")
-
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_input_bytes:
-            raise too_large(declared)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_input_bytes:
-                raise too_large(f"more than {size - len(chunk)}")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        try:
+            return await read_body(request, self.max_input_bytes)
+        except BodyTooLarge as exc:
+            raise ApiError(413, f"the request body is {exc.size} bytes; this server takes at most "
+                                f"{self.max_input_bytes} (kvrt serve --max-input-bytes)",
+                           code="request_too_large") from None
 
     async def _json(self, request: HttpRequest) -> Any:
         raw = await self._body(request)
