@@ -111,8 +111,7 @@ class AgentBook:
         self._locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
         self._closing = False
-        self.prefetched = 0  # agents put into host memory at start (prefetch), not by their first request
-        self.prefetching: Future[int] | None = None
+        self.prefetching: Future[int] | None = None  # agents put into host memory at start (prefetch), once done
 
     @property
     def unsaved(self) -> dict[str, str]:
@@ -122,10 +121,15 @@ class AgentBook:
     def describe(self) -> dict[str, Any]:
         """What ``/v1/kvrt/stats`` shows of the agents' state dir."""
         return {"state_dir": str(self.store.directory) if self.store is not None else None,
-                "waiting_to_restore": len(self._waiting), "prefetched": self.prefetched,
+                "waiting_to_restore": len(self._waiting), "prefetched": self._prefetched(),
                 "saved_turns": self.saved_turns,
                 "problems": [{"agent": p.agent_id, "file": p.file, "reason": p.reason} for p in self.problems],
                 "unsaved": self.unsaved}
+
+    def _prefetched(self) -> int:
+        """How many agents the start's prefetch put into host memory (0 while it runs, or when there was none)."""
+        done = self.prefetching
+        return done.result() if done is not None and done.done() else 0
 
     def turn(self, agent: str | None, engine: Engine, n: int = 1) -> Turn | None:
         """A turn to save for ``agent``'s request of ``n`` choices (None: anonymous, ``n`` > 1: no one history to
@@ -220,7 +224,6 @@ class AgentBook:
                     except EngineClosed:
                         continue
             finally:
-                self.prefetched = put
                 done.set_result(put)
 
         threading.Thread(target=run, name="kvrt-agents-prefetch", daemon=True).start()
