@@ -386,8 +386,7 @@ class Engine:
         self.trace.record(StepRecord(
             t_s=t0, admit_ms=1e3 * (t_fill - t0), fill_ms=1e3 * (t_decode - t_fill),
             decode_ms=1e3 * (t_sample - t_decode), sample_ms=1e3 * (t_end - t_sample), host_cpu_ms=1e3 * host_cpu,
-            tokens=sum(n for _, n in shape) - len(self._pads), decode_rows=len(rows) - len(prompt),
-            prompt_tokens=sum(prompt),
+            tokens=sum(r.p1 - r.p0 for r in rows), decode_rows=len(rows) - len(prompt), prompt_tokens=sum(prompt),
             prompt_chunks=len(prompt), sequences=len({r.seq for r in rows}), micro_batches=micro,
             live=len(self._live), queued=queued, layout="unified" if self.cache.shared else "split",
             pads=len(self._pads)))

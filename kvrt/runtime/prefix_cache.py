@@ -260,7 +260,7 @@ class PrefixCache:
         slot = max(slots, key=self.held)
         state = np.empty(self.ctx.seq_state_size(slot), dtype=np.uint8)
         written = self.ctx.seq_state_get(slot, state)
-        taken = tuple(self._tokens[slot].view().tolist()), state[:written]
+        taken = tuple(self.tokens(slot)), state[:written]
         for other in slots:
             self.evict(other, keep_copy=False)
         return taken
