@@ -103,3 +103,23 @@ def test_a_pools_engine_traces_to_its_models_file(tiny_model_path, tmp_path):
         pool.close()
         registry.close()
     assert len(read_trace(tmp_path / "steps" / "tiny.jsonl")) == steps > 0
+
+
+def test_a_trace_path_that_cannot_be_written_is_named_before_any_model_loads(tmp_path, tiny_model_path):
+    from kvrt.accounting.ledger import VramLedger
+    from kvrt.errors import KvrtError
+    from kvrt.serve.model_pool import ModelPool
+    from kvrt.serve.registry import ModelRegistry
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(KvrtError, match=r"cannot write .*a-file/steps/t\.jsonl"):
+        StepTrace(blocker / "steps" / "t.jsonl")
+    registry = ModelRegistry(VramLedger(8 << 30), table={tiny_model_path.name: 1 << 20}, measure=False)
+    config = EngineConfig(n_ctx=512, n_seq_max=2, n_batch=64, prefill_chunk=16, flash_attn="off")
+    try:
+        with pytest.raises(KvrtError, match=r"--step-trace .*a-file/steps"):
+            ModelPool(registry, config, models={"tiny": tiny_model_path}, step_trace_dir=blocker / "steps")
+        assert registry.models() == []  # nothing loaded
+    finally:
+        registry.close()

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
 
+from kvrt.errors import KvrtError
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -43,12 +45,16 @@ class StepRecord:
 
 
 class StepTrace:
-    """Appends :class:`StepRecord` lines to ``path`` (made with its folder if missing); :meth:`close` when done."""
+    """Appends :class:`StepRecord` lines to ``path`` (made with its folder if missing; a path that cannot be
+    written is a :class:`kvrt.errors.KvrtError` naming it); :meth:`close` when done."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO | None = self.path.open("a", buffering=1, encoding="utf-8")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file: TextIO | None = self.path.open("a", buffering=1, encoding="utf-8")
+        except OSError as exc:
+            raise KvrtError(f"step trace: cannot write {self.path}: {exc.strerror or exc}") from None
 
     def record(self, step: StepRecord) -> None:
         if self._file is not None:

@@ -71,8 +71,12 @@ def start_front(options: HttpOptions, config: EngineConfig, registry: ModelRegis
     if len(set(names)) != len(names):
         raise KvrtError(f"two models would share a name (the file stem): {names}")
     agents = AgentBook(options.state_dir)  # a state dir another process holds: refused before loading
-    pool = ModelPool(registry, config, models=dict(zip(names, paths)), models_dir=options.models_dir,
-                     step_trace_dir=options.step_trace, replicas=options.replicas)
+    try:
+        pool = ModelPool(registry, config, models=dict(zip(names, paths)), models_dir=options.models_dir,
+                         step_trace_dir=options.step_trace, replicas=options.replicas)
+    except BaseException:
+        agents.close()  # a refused option lets the state dir go again
+        raise
     try:
         if not pool.names():
             raise KvrtError(f"--models-dir {options.models_dir}: no *.gguf files there, and no --model given")

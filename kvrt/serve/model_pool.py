@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from collections.abc import Callable, ItemsView, Iterator, Mapping, Sequence, ValuesView
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -144,6 +145,13 @@ class ModelPool:
         self.config = config
         self.models_dir = models_dir
         self.step_trace_dir = step_trace_dir
+        if step_trace_dir is not None:  # refused before any model loads, not at the first engine
+            try:
+                step_trace_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise KvrtError(f"--step-trace {step_trace_dir}: {exc.strerror or exc}") from None
+            if not os.access(step_trace_dir, os.W_OK):
+                raise KvrtError(f"--step-trace {step_trace_dir}: not writable")
         self._host_memory = host_memory
         self._lock = threading.RLock()
         self._paths: dict[str, Path] = {}
