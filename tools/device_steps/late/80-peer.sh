@@ -17,8 +17,10 @@
 # n<N>/peer/steps/n<N>-r<round>-<workload>.jsonl: python3 tools/step_trace_summary.py FILE says which step shapes
 # (decode rows, prompt chunks, llama.cpp micro-batches) took the time.
 # PEER_ARGS: more options (e.g. "--kv-unified", '--kvrt-args "--kv-layout auto"', "--rounds 2").
-# PEER_LAYOUTS="unified split": then kvrt alone again at N = PEER_LAYOUT_N (default 32) with each --kv-layout forced,
-# for the choice of layout (DEVELOPING.md); written to $RESULTS/peer/n<N>-<layout>/.
+# PEER_VARIANTS="pads-off=--pad-gaps off;unified=--kv-layout unified": then kvrt alone again at each N of
+# PEER_VARIANT_N (default 32) with each variant's kvrt options (';' between variants, NAME=OPTIONS), step trace as
+# above, for an A/B inside one run (gap padding, the choice of layout: DEVELOPING.md); written to
+# $RESULTS/peer/n<N>-<NAME>/.
 # What to check: lost_tokens == 0 in every row, retokenized_requests (llama-server turns whose ids came from
 # /tokenize), summary's kvrt_over_llama_server_wall per workload, ideal_over_kvrt_wall, both arms' libllama
 # SHA-256 equal (peer.json "libraries").
@@ -59,12 +61,17 @@ for n in ${PEER_AGENTS:-8 32 64}; do
   grep -E '^ +(kvrt|llama-server|ideal)' "$OUT_DIR/peer-n$n.log" | cut -c1-160
   for f in "$OUT_DIR/n$n"/peer/steps/*.jsonl; do [ -e "$f" ] && python3 tools/step_trace_summary.py "$f"; done
 done
-for layout in ${PEER_LAYOUTS:-}; do
-  t=$SECONDS; n=${PEER_LAYOUT_N:-32}
-  # shellcheck disable=SC2086
-  eval timeout "${PEER_N_TIMEOUT_S:-240}" python3 -m kvrt.cli bench peer --out "$OUT_DIR/n$n-$layout" --preset h200 \
-    --model "$QWEN" --agents "$n" --arms kvrt --kvrt-args "'--kv-layout $layout'" --llama-server "$SERVER" ${PEER_ARGS:-} \
-    > "$OUT_DIR/peer-n$n-$layout.log" 2>&1
-  echo "peer N=$n kvrt --kv-layout $layout: rc=$? in $((SECONDS - t)) s"
-  grep -E '^ +(kvrt|ideal)' "$OUT_DIR/peer-n$n-$layout.log" | cut -c1-160
+IFS=';' read -r -a variants <<< "${PEER_VARIANTS:-}"
+for variant in "${variants[@]}"; do
+  name=${variant%%=*}; options=${variant#*=}
+  for n in ${PEER_VARIANT_N:-32}; do
+    t=$SECONDS
+    # shellcheck disable=SC2086
+    eval timeout "${PEER_N_TIMEOUT_S:-240}" python3 -m kvrt.cli bench peer --out "$OUT_DIR/n$n-$name" --preset h200 \
+      --model "$QWEN" --agents "$n" --arms kvrt --kvrt-args "'$options'" --llama-server "$SERVER" "${trace[@]}" \
+      ${PEER_ARGS:-} > "$OUT_DIR/peer-n$n-$name.log" 2>&1
+    echo "peer N=$n kvrt $options: rc=$? in $((SECONDS - t)) s"
+    grep -E '^ +(kvrt|ideal)' "$OUT_DIR/peer-n$n-$name.log" | cut -c1-160
+    for f in "$OUT_DIR/n$n-$name"/peer/steps/*.jsonl; do [ -e "$f" ] && python3 tools/step_trace_summary.py "$f"; done
+  done
 done
