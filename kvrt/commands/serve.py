@@ -110,6 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "throwaway token, removed after the step, when that makes fewer llama.cpp micro-batches "
                              "(each reads all the weights; llama.cpp puts only consecutive slots in one) without "
                              "costing more attention than the weight passes it saves")
+    parser.add_argument("--backend-sampling", choices=("on", "off"), default="off",
+                        help="greedy requests without logprobs get their next token picked inside llama.cpp's "
+                             "decode graph (llama.cpp's backend sampling), so no row of logits (4 bytes a vocabulary "
+                             "entry) is copied out and scanned on the host for them; other requests as before")
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="clients served at once; more get ERR TOO_MANY_CONNECTIONS")
     parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
@@ -212,7 +216,8 @@ def _start_socket(args: argparse.Namespace, registry: ModelRegistry, budget: Bud
         scheduler = BatchedScheduler(ledger, registry, config=BatchConfig(
             n_ctx=args.batch_cells, n_seq_max=args.batch_slots, n_threads=args.threads,
             host_bytes=args.batch_host_mib << 20, kv_layout=args.kv_layout,
-            pad_gaps=args.pad_gaps == "on"), state_dir=args.state_dir)
+            pad_gaps=args.pad_gaps == "on", backend_sampling=args.backend_sampling == "on"),
+            state_dir=args.state_dir)
     else:
         scheduler = Scheduler(ledger, registry, n_threads=args.threads, state_dir=args.state_dir,
                               prefetch=args.prefetch)

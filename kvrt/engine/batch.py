@@ -171,6 +171,13 @@ class Batch:
         self._check_open()
         return self._pos[: self.n_tokens]
 
+    def first_seq(self, row: int) -> int:
+        """The first sequence id of a filled row (the one whose sampler llama.cpp's backend sampling uses)."""
+        self._check_open()
+        if not 0 <= row < self.n_tokens:
+            raise KvrtError(f"row {row} is outside the batch's {self.n_tokens} filled rows")
+        return int(self._seq[row, 0])
+
     def __repr__(self) -> str:
         if self.closed:
             return "Batch(closed)"

@@ -43,6 +43,12 @@ class ContextParams:
     sequences draw on one pool of cells (what prefix sharing needs); without it each of
     the ``n_seq_max`` sequences gets ``n_ctx / n_seq_max`` cells of its own. llama.cpp
     rounds ``n_ctx`` up to a multiple of 256: :attr:`Context.n_ctx` is the real size.
+
+    ``backend_sampling`` lets :meth:`Context.sample_on_device` put llama.cpp's greedy sampler into the decode's
+    graph for chosen sequences (llama.cpp's backend sampling): their rows' picks come back as token ids, and no
+    row of logits is copied out for them. It caps a batch's outputs at ``n_seq_max``: llama.cpp sizes its
+    sampling buffers (three vocabulary-wide rows an output) by that cap, and aborts the process on a batch past
+    it, so :meth:`Context.decode` refuses one first.
     """
 
     n_ctx: int = 4096
@@ -54,6 +60,7 @@ class ContextParams:
     flash_attn: str = "auto"
     offload_kqv: bool = True
     swa_full: bool = True
+    backend_sampling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max"):  # uint32_t in llama_context_params
@@ -66,7 +73,7 @@ class ContextParams:
                                   f"got {shown(self.flash_attn)}")
         if self.n_threads is not None:  # int32_t
             check_int(self.n_threads, "ContextParams.n_threads", low=1, high=_INT32_MAX, noun="a positive integer")
-        for name in ("kv_unified", "offload_kqv", "swa_full"):
+        for name in ("kv_unified", "offload_kqv", "swa_full", "backend_sampling"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"ContextParams.{name} must be True or False, got {shown(getattr(self, name))}")
 
@@ -86,6 +93,9 @@ class ContextParams:
         params.flash_attn_type = FLASH_ATTN[self.flash_attn]
         params.offload_kqv = self.offload_kqv
         params.swa_full = self.swa_full
+        if self.backend_sampling:
+            params.n_outputs_max = self.n_seq_max
+            params.n_outputs_max_per_seq = 1
         return params
 
     def as_dict(self) -> dict[str, Any]:
@@ -116,8 +126,18 @@ class Context(OwnsHandle):
                 model=model.path.name,
                 **params.as_dict(),
             )
-        self._handle = NativeHandle(ptr, lib().llama_free, "context")
+        chains: dict[int, Any] = {}  # seq -> its greedy sampler chain (sample_on_device), freed after the context
+
+        def free(context: Any) -> None:
+            lib().llama_free(context)  # first: the context points at the chains it samples with
+            for chain in chains.values():
+                lib().llama_sampler_free(chain)
+
+        self._handle = NativeHandle(ptr, free, "context")
         self._borrower: weakref.ref[Any] | None = None
+        self._chains = chains
+        self._on_device: set[int] = set()
+        self._device_rows: frozenset[int] = frozenset()  # the last decode's output rows sampled on the device
         model._adopt(self)
         self._n_vocab = model.n_vocab
 
@@ -142,6 +162,7 @@ class Context(OwnsHandle):
         )
         self._handle = handle
         self._borrower = weakref.ref(llm)
+        self._chains, self._on_device, self._device_rows = {}, set(), frozenset()
         self.model._adopt(self)
         self._n_vocab = self.model.n_vocab
         return self
@@ -256,6 +277,9 @@ class Context(OwnsHandle):
                 f"decoding past n_ctx: position {int(positions.max())} does not fit a sequence of {limit} cells",
                 n_ctx=self.n_ctx,
             )
+        if self.params.backend_sampling and len(batch.outputs) > self.n_seq_max:
+            raise DecodeError("llama_decode", f"{len(batch.outputs)} rows ask for logits; a context with backend "
+                              f"sampling takes at most n_seq_max={self.n_seq_max} (llama.cpp would abort)")
         low, high = batch.seq_bounds
         if low < 0 or high >= self.n_seq_max:
             bad_seq = low if low < 0 else high
@@ -268,15 +292,26 @@ class Context(OwnsHandle):
         or keeps the micro-batches it finished (abort, fatal); the error says which.
         """
         self._validate(batch)
+        self._device_rows = frozenset()
         with capture() as lines:
             code = int(lib().llama_decode(self.ptr, batch.raw))
         self._wrote()
         if code != 0:
             reason = _DECODE_CODES.get(code, "fatal error; finished micro-batches stay in memory")
             raise DecodeError("llama_decode", explain(lines, reason), code=code, n_tokens=batch.n_tokens)
+        if self._on_device:
+            self._device_rows = frozenset(row for row in batch.outputs if batch.first_seq(row) in self._on_device)
+
+    def _check_host_row(self, row: int) -> None:
+        """Refuse a row whose logits llama.cpp did not copy out (sampled on the device), or a row counted from
+        the end while some were (it may be one of them)."""
+        if row in self._device_rows or (row < 0 and self._device_rows):
+            raise DecodeError("llama_get_logits_ith", "this row was sampled on the device (sample_on_device), or "
+                              "may be: llama.cpp copied no logits for it", row=row)
 
     def logits(self, row: int) -> np.ndarray:
         """A copy of the logits computed for batch row ``row`` (``-1``: the last output)."""
+        self._check_host_row(row)
         ptr = lib().llama_get_logits_ith(self.ptr, row)
         if ptr == ffi.NULL:
             raise DecodeError("llama_get_logits_ith", "no logits were computed for this row", row=row)
@@ -284,14 +319,30 @@ class Context(OwnsHandle):
 
     def argmax(self, rows: Sequence[int]) -> list[int]:
         """The highest-logit token of each batch row in ``rows``, first maximum on ties (what
-        llama.cpp's greedy sampler picks), in one NumPy pass over the decode's output logits.
+        llama.cpp's greedy sampler picks): the device's pick for a row sampled there
+        (:meth:`sample_on_device`), the others in one NumPy pass over the decode's output logits.
 
         Greedy decoding of many sequences needs no per-row copy of the vocabulary's logits
         nor llama.cpp's per-row candidate array (a 150k-262k entry build per token).
         """
+        on_device = {row: self._sampled_token(row) for row in rows if row in self._device_rows}
+        on_host = [row for row in rows if row not in on_device]
+        picked = dict(zip(on_host, self._host_argmax(on_host)))
+        return [on_device[row] if row in on_device else picked[row] for row in rows]
+
+    def _sampled_token(self, row: int) -> int:
+        token = int(lib().llama_get_sampled_token_ith(self.ptr, row))
+        if token < 0:  # LLAMA_TOKEN_NULL: the backend could not run the sampler's argmax
+            raise DecodeError("llama_get_sampled_token_ith", "llama.cpp sampled no token for this row on the "
+                              "device (its backend may not run the greedy sampler: turn backend sampling off)",
+                              row=row)
+        return token
+
+    def _host_argmax(self, rows: Sequence[int]) -> list[int]:
         row_bytes = 4 * self._n_vocab
         addresses = []
         for row in rows:
+            self._check_host_row(row)
             ptr = lib().llama_get_logits_ith(self.ptr, row)
             if ptr == ffi.NULL:
                 raise DecodeError("llama_get_logits_ith", "no logits were computed for this row", row=row)
@@ -307,8 +358,53 @@ class Context(OwnsHandle):
         return [int(best[i]) for i in index]
 
     def has_logits(self, row: int) -> bool:
+        if row in self._device_rows or (row < 0 and self._device_rows):
+            return False
         with capture():
             return bool(lib().llama_get_logits_ith(self.ptr, row) != ffi.NULL)
+
+    @property
+    def sampled_on_device(self) -> frozenset[int]:
+        """The sequences whose rows the decode's graph samples (:meth:`sample_on_device`)."""
+        return frozenset(self._on_device)
+
+    @property
+    def device_rows(self) -> frozenset[int]:
+        """The last decode's output rows that were sampled on the device."""
+        return self._device_rows
+
+    def sample_on_device(self, seq_id: int, on: bool = True) -> None:
+        """Greedy picks of ``seq_id``'s rows computed in the decode's graph (``on``), or its rows' logits copied
+        out as usual (``off``); from the next :meth:`decode` on. Needs ``ContextParams.backend_sampling``.
+
+        Each change makes llama.cpp reserve its compute graphs again at the next decode, so callers keep a
+        sequence's setting while its requests allow it. A row sampled on the device has no logits here:
+        :meth:`argmax` returns the device's pick, :meth:`logits` refuses it.
+        """
+        self._check_seq(seq_id)
+        if not self.params.backend_sampling:
+            raise KvrtError("sample_on_device needs a context made with ContextParams(backend_sampling=True)")
+        if on == (seq_id in self._on_device):
+            return
+        chain = ffi.NULL
+        if on:
+            chain = self._chains.get(seq_id) or self._greedy_chain(seq_id)
+        if not lib().llama_set_sampler(self.ptr, seq_id, chain):
+            raise KvrtError(f"llama.cpp cannot run a greedy sampler for sequence {seq_id} in this context's graph "
+                            "(split_mode tensor, or a backend without the sampler's operations)")
+        (self._on_device.add if on else self._on_device.discard)(seq_id)
+
+    def _greedy_chain(self, seq_id: int) -> Any:
+        """A chain of one greedy sampler for ``seq_id``, kept (and freed) with the context."""
+        chain = lib().llama_sampler_chain_init(lib().llama_sampler_chain_default_params())
+        if chain == ffi.NULL:
+            raise KvrtError("llama_sampler_chain_init returned NULL")
+        self._chains[seq_id] = chain  # owned from here on, whatever follows
+        greedy = lib().llama_sampler_init_greedy()
+        if greedy == ffi.NULL:
+            raise KvrtError("llama_sampler_init_greedy returned NULL")
+        lib().llama_sampler_chain_add(chain, greedy)
+        return chain
 
     def synchronize(self) -> None:
         lib().llama_synchronize(self.ptr)
@@ -368,5 +464,5 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 for _name in ("clear", "seq_pos_max", "seq_pos_min", "seq_rm", "seq_cp", "seq_add", "decode", "logits", "argmax",
-              "has_logits", "synchronize", "seq_state_size", "seq_state_get", "seq_state_set"):
+              "has_logits", "sample_on_device", "synchronize", "seq_state_size", "seq_state_get", "seq_state_set"):
     setattr(Context, _name, _guarded(getattr(Context, _name)))

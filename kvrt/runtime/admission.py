@@ -53,6 +53,9 @@ class EngineConfig:
     admission before :class:`kvrt.runtime.requests.EngineOverloaded`. ``pad_gaps``: in the split layout, a step
     whose sequences leave idle slots between them gives each of those a throwaway token, removed after the step,
     when that makes the step read fewer bytes (:meth:`kvrt.runtime.prefix_cache.PrefixCache.padding`).
+    ``backend_sampling``: a step's plain greedy rows (no logprobs) are picked inside llama.cpp's decode graph
+    (:meth:`kvrt.engine.context.Context.sample_on_device`), so no row of logits is copied out or scanned on the
+    host for them.
     """
 
     n_ctx: int = 4096
@@ -66,6 +69,7 @@ class EngineConfig:
     kv_layout: str = "auto"
     split_after_idle_s: float = 2.0  # longer than an agent's pause between turns: a switch drops the cache
     pad_gaps: bool = True  # split: idle slots between a step's sequences get a throwaway token (see above)
+    backend_sampling: bool = False  # plain greedy rows picked in the decode's graph (see above)
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_seq_max", "n_batch", "prefill_chunk", "max_queue"):
@@ -134,7 +138,7 @@ class EngineConfig:
         n_ctx = self.n_ctx if shared else self.split_cells * self.n_seq_max
         return ContextParams(n_ctx=n_ctx, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
                              n_seq_max=self.n_seq_max, kv_unified=shared, n_threads=self.n_threads,
-                             flash_attn=self.flash_attn)
+                             flash_attn=self.flash_attn, backend_sampling=self.backend_sampling)
 
 
 @dataclass

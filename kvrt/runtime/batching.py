@@ -161,7 +161,7 @@ class Engine:
         self._wake = threading.Event()
         self._closing = False
         self._steps = self._prefilled = self._reused = self._restored = self._decoded = self._relayouts = 0
-        self._micro_batches = 0
+        self._micro_batches = self._sampled_on_device = self._sampler_switches = 0
         self._pads: list[Feed] = []  # this step's throwaway tokens (_fill), removed after its decode
         geometry = ModelGeometry(model.n_layer, model.n_embd, model.n_head, model.n_head_kv, model.n_vocab)
         self._step_bytes = model.size_bytes, geometry.kv_bytes_per_token()  # weights; K/V of a cell (_read_bytes)
@@ -273,7 +273,8 @@ class Engine:
             host_cpu_s=clock.host_cpu_s, queued=queued, active=len(self._live), used_cells=cache.used_cells,
             n_cells=cache.n_cells, slots=tuple(cache.describe()), kv_layout="unified" if cache.shared else "split",
             slot_cells=cache.slot_cells, relayouts=self._relayouts, micro_batches=self._micro_batches,
-            host_dropped=host.dropped if host else 0)
+            host_dropped=host.dropped if host else 0, sampled_on_device=self._sampled_on_device,
+            sampler_switches=self._sampler_switches)
 
     def close(self) -> None:
         """Stop the worker; waiting and running requests end with :class:`EngineClosed`."""
@@ -355,11 +356,13 @@ class Engine:
             self._split_when_idle(time.monotonic() - self._idle_since)
             return False
         self._idle_since = None
+        self._sample_where(rows)
         t_decode, cpu_decode = time.perf_counter(), time.thread_time()
         decoded = self._decode(rows)
         if decoded is not None:
             rows = decoded
             self._steps += 1
+            self._sampled_on_device += len(self.ctx.device_rows)
             self._advance(rows)  # cell bookkeeping, under the compute where llama_decode returns early (GPU)
             self.ctx.synchronize()  # the outputs are read next anyway: the wait is the decode's
         t_sample, cpu_sample = time.perf_counter(), time.thread_time()
@@ -497,6 +500,23 @@ class Engine:
         pays off when it joins runs (one weight pass fewer) without lengthening a run's attention by more."""
         weights, per_cell = self._step_bytes
         return read_bytes(shape, self.ctx.params.n_ubatch, self.cache.held, weights, per_cell)
+
+    def _sample_where(self, rows: list[_Row]) -> None:
+        """With ``backend_sampling``, each row with logits is sampled in the decode's graph when all its pickers
+        are plain greedy and no logprobs are asked (only the picked token comes back), else on the host from its
+        copied logits. A slot keeps its setting until a request on it needs the other: each change makes
+        llama.cpp reserve its graphs again."""
+        if not self.config.backend_sampling:
+            return
+        on_device = self.ctx.sampled_on_device  # a step's rows are in distinct slots: one look for all of them
+        for r in rows:
+            if r.row < 0:
+                continue
+            pickers = [r.choice] if r.choice is not None else r.live.choices
+            greedy = r.live.request.logprobs is None and all(c.sampler.plain_greedy for c in pickers)
+            if greedy != (r.seq in on_device):
+                self.ctx.sample_on_device(r.seq, greedy)
+                self._sampler_switches += 1
 
     def _decode(self, rows: list[_Row]) -> list[_Row] | None:
         """``ctx.decode`` of the batch: the rows decoded, or ``None`` when it failed and the requests in it did

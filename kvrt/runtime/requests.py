@@ -305,5 +305,7 @@ class EngineStats:
     slot_cells: int  # the most one slot can hold in that layout
     relayouts: int  # times the context was recreated in the other layout (kv_layout "auto")
     host_dropped: int = 0  # host tier entries dropped (least recently used out for room, or held whole by a newer one)
+    sampled_on_device: int = 0  # sampled tokens picked in the decode's graph (EngineConfig.backend_sampling)
+    sampler_switches: int = 0  # slots turned to or from that (each makes llama.cpp reserve its graphs again)
     micro_batches: int = 0  # llama.cpp's micro-batches of the steps' batches (kvrt.engine.micro_batches): each
     # reads every weight once, so micro_batches / steps above 1 is a GPU step's cost growing
