@@ -72,7 +72,7 @@ SIZE_OPTIONS = {"fanout": ("fanout_doc", "fanout_question", None, None),
                 "private": (None, "private_history", "private_turns", "private_append")}
 KVRT_COUNTERS = ("prefilled_tokens", "reused_tokens", "restored_tokens", "decoded_tokens", "steps", "busy_s",
                  "decode_s", "admit_s", "fill_s", "sample_s", "host_cpu_s", "relayouts", "host_kept", "host_keep_s",
-                 "micro_batches")
+                 "micro_batches", "sampled_on_device", "sampler_switches")
 CELL_ROUND = 256
 
 
@@ -212,7 +212,8 @@ def _step_times(row: dict[str, Any]) -> str:
             f"layout {row.get('kvrt_kv_layout')}, "
             f"{row.get('kvrt_relayouts', 0)} relayouts; {row.get('kvrt_host_kept', 0)} evicted slots copied to the "
             f"host tier in {row.get('kvrt_host_keep_s', 0.0):.2f} s, {row.get('kvrt_restored_tokens', 0)} tokens "
-            "restored")
+            f"restored; {row.get('kvrt_sampled_on_device', 0)} tokens sampled in the decode's graph "
+            f"({row.get('kvrt_sampler_switches', 0)} sampler switches)")
 
 
 def _make_arm(name: str, config: ServerConfig, args: argparse.Namespace, server: Path | None,
