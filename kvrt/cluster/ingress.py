@@ -20,8 +20,8 @@ from kvrt.cluster.affinity import DEFAULT_PREFIX_CHARS, route_of
 from kvrt.cluster.replica import Head, relayed
 from kvrt.cluster.router import ROUTE_KWARG
 from kvrt.serve.api_error import ApiError
+from kvrt.serve.http_intake import DEFAULT_MAX_INPUT_BYTES
 from kvrt.serve.http_middleware import BodyTooLarge, read_body
-from kvrt.serve.openai_server import DEFAULT_MAX_INPUT_BYTES
 
 
 class Ingress:

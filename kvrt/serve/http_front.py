@@ -14,8 +14,10 @@ from kvrt.errors import KvrtError
 from kvrt.modelfiles.demo_model import demo_model_path
 from kvrt.runtime.admission import EngineConfig
 from kvrt.serve.http_agents import AgentBook
+from kvrt.serve.http_intake import DEFAULT_MAX_INPUT_BYTES
+from kvrt.serve.http_runner import DEFAULT_SSE_KEEPALIVE_S
 from kvrt.serve.model_pool import ModelPool
-from kvrt.serve.openai_server import DEFAULT_MAX_INPUT_BYTES, DEFAULT_SSE_KEEPALIVE_S, OpenAIServer
+from kvrt.serve.openai_server import OpenAIServer
 from kvrt.serve.registry import ModelRegistry
 
 
