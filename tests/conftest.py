@@ -65,7 +65,8 @@ def tools_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tools_server(tools_model_path: Path) -> Iterator[dict[str, Any]]:
     """kvrt's OpenAI server in-process on the tools test model (4 slots of 512 cells), as ``{"url", "model"}``;
     the model is served as ``tiny-tools``."""
-    from kvrt.runtime.batching import Engine, EngineConfig
+    from kvrt.runtime.admission import EngineConfig
+    from kvrt.runtime.batching import Engine
     from kvrt.engine.model import Model
     from kvrt.serve.openai_server import OpenAIServer
 

@@ -19,7 +19,8 @@ import pytest
 
 from kvrt import Context, GenerationParams, generate
 from kvrt.runtime.admission import WAIT_FOR_SHARE
-from kvrt.runtime.batching import Engine, EngineConfig
+from kvrt.runtime.admission import EngineConfig
+from kvrt.runtime.batching import Engine
 from kvrt.prefixes import common_prefix
 from kvrt.runtime.requests import (
     ChoiceEnd,

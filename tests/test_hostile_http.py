@@ -20,7 +20,8 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra (pip install fastapi uvicorn openai) is not installed")
 
 from kvrt import Context, GenerationParams, generate  # noqa: E402
-from kvrt.runtime.batching import Engine, EngineConfig  # noqa: E402
+from kvrt.runtime.admission import EngineConfig  # noqa: E402
+from kvrt.runtime.batching import Engine  # noqa: E402
 from kvrt.engine.model import Model  # noqa: E402
 from kvrt.engine.sampling import SamplingParams  # noqa: E402
 from kvrt.serve.openai_server import OpenAIServer  # noqa: E402

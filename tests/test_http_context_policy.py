@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
 
-from kvrt.runtime.batching import Engine, EngineConfig  # noqa: E402
+from kvrt.runtime.admission import EngineConfig  # noqa: E402
+from kvrt.runtime.batching import Engine  # noqa: E402
 from kvrt.serve.context_policy import HEADER  # noqa: E402
 from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
 

@@ -53,7 +53,8 @@ def test_a_bias_needs_the_vocabulary(tiny_model):
 @pytest.fixture(scope="module")
 def served(tiny_model) -> Iterator[dict[str, Any]]:
     pytest.importorskip("fastapi", reason="the serve extra is not installed")
-    from kvrt.runtime.batching import Engine, EngineConfig
+    from kvrt.runtime.admission import EngineConfig
+    from kvrt.runtime.batching import Engine
     from kvrt.serve.openai_server import OpenAIServer
 
     engine = Engine(tiny_model, EngineConfig(n_ctx=256, n_seq_max=2, n_batch=64, flash_attn="off"))

@@ -143,7 +143,8 @@ def test_llama_cpp_llama_takes_the_machine_verdict(tiny_model_path: Path) -> Non
 CLOSE_UNDER_ENGINE = r"""
 import sys
 from kvrt import GenerationParams
-from kvrt.runtime.batching import Engine, EngineConfig
+from kvrt.runtime.admission import EngineConfig
+from kvrt.runtime.batching import Engine
 from kvrt.engine.model import Model
 from kvrt.runtime.requests import Request
 from kvrt.errors import KvrtError

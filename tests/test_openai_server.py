@@ -23,7 +23,8 @@ openai = pytest.importorskip("openai", reason="the serve extra (pip install fast
 jsonschema = pytest.importorskip("jsonschema")
 
 from kvrt import Context, GenerationParams, generate  # noqa: E402
-from kvrt.runtime.batching import Engine, EngineConfig  # noqa: E402
+from kvrt.runtime.admission import EngineConfig  # noqa: E402
+from kvrt.runtime.batching import Engine  # noqa: E402
 from kvrt.engine.sampling import SamplingParams  # noqa: E402
 from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
 

@@ -26,7 +26,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from kvrt.cli import build_parser  # noqa: E402
 from kvrt.commands import serve  # noqa: E402
-from kvrt.runtime.batching import Engine, EngineConfig  # noqa: E402
+from kvrt.runtime.admission import EngineConfig  # noqa: E402
+from kvrt.runtime.batching import Engine  # noqa: E402
 from kvrt.errors import KvrtError  # noqa: E402
 from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
 

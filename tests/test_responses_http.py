@@ -18,7 +18,8 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serve extra (pip install fastapi uvicorn openai) is not installed")
 jsonschema = pytest.importorskip("jsonschema")
 
-from kvrt.runtime.batching import Engine, EngineConfig  # noqa: E402
+from kvrt.runtime.admission import EngineConfig  # noqa: E402
+from kvrt.runtime.batching import Engine  # noqa: E402
 from kvrt.engine.chat import apply_chat_template  # noqa: E402
 from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
 from test_tools_http import ASK, WAIT_S, WEATHER_ARGS  # noqa: E402  (tests/ is on sys.path)

@@ -11,7 +11,8 @@ import pytest
 
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.sampling import SamplingParams
-from kvrt.runtime.batching import Engine, EngineConfig
+from kvrt.runtime.admission import EngineConfig
+from kvrt.runtime.batching import Engine
 from kvrt.runtime.requests import Request
 from kvrt.runtime.step_trace import StepTrace, read_trace
 

@@ -21,7 +21,8 @@ openai = pytest.importorskip("openai", reason="the serve extra (pip install fast
 jsonschema = pytest.importorskip("jsonschema")
 jinja2 = pytest.importorskip("jinja2")
 
-from kvrt.runtime.batching import Engine, EngineConfig  # noqa: E402
+from kvrt.runtime.admission import EngineConfig  # noqa: E402
+from kvrt.runtime.batching import Engine  # noqa: E402
 from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
 
 WAIT_S = 60.0

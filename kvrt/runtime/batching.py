@@ -9,13 +9,10 @@ thread that repeats :meth:`Engine.step`:
    come first served among one agent's or anonymous ones), get slots; the longest
    token prefix any slot already holds is shared with ``seq_cp`` (the prefix cache of
    :mod:`kvrt.runtime.prefix_cache`), so only the rest of the prompt is prefilled;
-3. one :class:`kvrt.engine.batch.Batch`: the last sampled token of every decoding choice,
-   then prompt chunks of at most ``prefill_chunk`` tokens per request, round robin, up
-   to ``n_batch`` tokens: a long prompt never stalls the others for more than a chunk
-   (split layout: rows in slot order, so llama.cpp computes consecutive streams together).
-   While an ``exact`` request prefills, a step holds one chunk of it and nothing else (the
-   others wait that step): llama.cpp's CPU kernels round by micro-batch shape, and this is
-   the shape a cold prefill gives the chunk;
+3. one :class:`kvrt.engine.batch.Batch` laid out by :mod:`kvrt.runtime.step_layout`: the last
+   sampled token of every decoding choice, then prompt chunks of at most ``prefill_chunk``
+   tokens per request, round robin, up to ``n_batch`` tokens: a long prompt never stalls the
+   others for more than a chunk (while an ``exact`` request prefills, one chunk of it alone);
 4. one ``ctx.decode``; then the mirror of the cells is updated, the forks of ``n > 1``
    requests share the chunk's cells, ``after_chunk(p0, p1)`` hooks run, and every row
    with logits is sampled by its choice's own sampler and streamed out.
@@ -28,17 +25,16 @@ All llama.cpp calls happen on the worker thread.
 The KV layout (``EngineConfig.kv_layout``, :mod:`kvrt.runtime.prefix_cache`): ``split``
 gives every slot a stream of its own, so attention costs what a sequence's own history
 holds; ``unified`` pools the cells, so one request may hold more than a slot's share
-and prefixes are shared without copies. ``auto`` runs split and recreates the context
-unified when the request at the head of the queue needs more than a slot's share (it
-waits until nothing runs; pinned prefixes keep the layout, so such a request is then
-refused), and split again when nothing runs and either the request at the head of the queue fits
-a slot and finds less than half of its prompt cached (the pool's cache is not what it
-needs), or the engine has been idle for ``split_after_idle_s`` (longer than agents pause
-between turns) and nothing it caches needs more than a slot. It never holds a request
-back to make a running context split.
-Nothing cached crosses a switch: llama.cpp's sequence state records the stream count of
-the context it came from and is refused by the other layout, so the slots and the host
-tier's copies are dropped, and a returning conversation is prefilled again.
+and prefixes are shared without copies. Under ``auto`` the worker recreates the context
+in the other layout when :mod:`kvrt.runtime.layout_policy` asks it to (only while nothing
+runs). Nothing cached crosses a switch: llama.cpp's sequence state records the stream
+count of the context it came from and is refused by the other layout, so the slots and
+the host tier's copies are dropped, and a returning conversation is prefilled again.
+
+The step's parts live apart: how its batch is packed in :mod:`kvrt.runtime.step_layout`,
+when the KV layout switches in :mod:`kvrt.runtime.layout_policy`, admission's limits and
+slot placement in :mod:`kvrt.runtime.admission`, its phase times in
+:mod:`kvrt.runtime.step_trace`; the engine runs the loop, decodes, samples and hands out.
 """
 
 from __future__ import annotations
@@ -50,24 +46,24 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
-from kvrt.engine.decode_step import Feed, Landed, fill, greedy_picks
+from kvrt.engine.decode_step import greedy_picks
 from kvrt.engine.generation import GenerationParams
-from kvrt.engine.geometry import ModelGeometry
-from kvrt.engine.micro_batches import count_micro_batches, read_bytes
+from kvrt.engine.micro_batches import count_micro_batches
 from kvrt.engine.model import Model
 from kvrt.engine.sampling import SEEDS, Sampler
 from kvrt.errors import DecodeError, KvrtError
 from kvrt.prefixes import common_prefix
-from kvrt.runtime.admission import EngineConfig, Pending, check_fits, check_in_vocabulary, fits_a_slot, place
+from kvrt.runtime.admission import EngineConfig, Pending, check_fits, check_in_vocabulary, place
 from kvrt.runtime.fair_queue import FairQueue
 from kvrt.runtime.host_tier import HostMemory, HostTier
+from kvrt.runtime.layout_policy import LayoutPolicy
 from kvrt.runtime.live import Choice, Live
 from kvrt.runtime.prefix_cache import PrefixCache
 from kvrt.runtime.requests import (
@@ -80,54 +76,13 @@ from kvrt.runtime.requests import (
     RequestStream,
     RequestTooLarge,
 )
-from kvrt.runtime.step_trace import StepRecord, StepTrace
+from kvrt.runtime.step_layout import BatchFiller, Row, StepBatch, sample_where
+from kvrt.runtime.step_trace import StepClock, StepRecord, StepTimer, StepTimes, StepTrace
 from kvrt.state.hostpool import host_memory
 
 log = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 0.5  # an idle worker re-checks deadlines this often (never part of any assertion)
-
-
-@dataclass
-class _StepClock:
-    """Where the steps that decoded a batch spent their wall time (seconds, summed), phase by phase: admission
-    (commands, deadlines, placing waiting requests), filling the batch, ``llama_decode`` until its outputs are
-    ready (the cell bookkeeping runs under it), and sampling with streaming out. ``host_cpu_s`` is the worker
-    thread's CPU time in the three host phases: their wall time less it is time the worker waited (for the GIL
-    another thread held, or blocked)."""
-
-    admit_s: float = 0.0
-    fill_s: float = 0.0
-    decode_s: float = 0.0
-    sample_s: float = 0.0
-    host_cpu_s: float = 0.0
-
-    @property
-    def busy_s(self) -> float:
-        return self.admit_s + self.fill_s + self.decode_s + self.sample_s
-
-    def add(self, t0: float, t_fill: float, t_decode: float, t_sample: float, t_end: float, host_cpu: float) -> None:
-        self.admit_s += t_fill - t0
-        self.fill_s += t_decode - t_fill
-        self.decode_s += t_sample - t_decode
-        self.sample_s += t_end - t_sample
-        self.host_cpu_s += host_cpu
-
-
-@dataclass
-class _Row:
-    """One request's part of a step's batch: a decode token of ``choice``, or prompt positions [p0, p1);
-    ``row`` is its logits row (-1: a prompt chunk that is not the last, or a pin's)."""
-
-    live: Live
-    row: int
-    choice: Choice | None = None
-    p0: int = 0
-    p1: int = 0
-
-    @property
-    def seq(self) -> int:
-        return self.choice.slot if self.choice is not None else self.live.slot
 
 
 class Engine:
@@ -162,12 +117,9 @@ class Engine:
         self._closing = False
         self._steps = self._prefilled = self._reused = self._restored = self._decoded = self._relayouts = 0
         self._micro_batches = self._sampled_on_device = self._sampler_switches = 0
-        self._pads: list[Feed] = []  # this step's throwaway tokens (_fill), removed after its decode
-        geometry = ModelGeometry(model.n_layer, model.n_embd, model.n_head, model.n_head_kv, model.n_vocab)
-        self._step_bytes = model.size_bytes, geometry.kv_bytes_per_token()  # weights; K/V of a cell (_read_bytes)
-        self._switch_to: bool | None = None  # the layout (shared?) the worker recreates the context in next
-        self._idle_since: float | None = None  # when the worker last found nothing to decode (None: busy)
-        self._clock = _StepClock()
+        self._filler = BatchFiller(self.batch, model, chunk=self.config.prefill_chunk, pad_gaps=self.config.pad_gaps)
+        self._layout_policy = LayoutPolicy()
+        self._clock = StepClock()
         self._thread = threading.Thread(target=self._run, name=f"kvrt-engine-{model.path.stem}", daemon=True)
         self._thread.start()
 
@@ -326,11 +278,12 @@ class Engine:
         while not self._closing:
             with self.ctx._handle.use():  # the context is this thread's: nobody frees it under a decode
                 self._loop()
-            if self._switch_to is not None:  # outside use(): the switch closes this context
-                self._switch(self._switch_to)
+            shared = self._layout_policy.take_switch()
+            if shared is not None:  # outside use(): the switch closes this context
+                self._switch(shared)
 
     def _loop(self) -> None:
-        while not self._closing and self._switch_to is None:
+        while not self._closing and self._layout_policy.switch_to is None:
             try:
                 busy = self.step()
             except Exception as exc:  # a bug: fail what runs, keep serving the next requests
@@ -343,56 +296,54 @@ class Engine:
 
     def step(self) -> bool:
         """One turn of the loop (on the worker thread); False when there was nothing to decode."""
-        t0, cpu0 = time.perf_counter(), time.thread_time()
+        timer = StepTimer()
         if self.before_step is not None:
             self.before_step()
         self._run_commands()
         self._reap(time.monotonic())
         self._admit()
-        t_fill = time.perf_counter()
-        rows = self._fill()
-        if not rows:
-            self._idle_since = self._idle_since or time.monotonic()
-            self._split_when_idle(time.monotonic() - self._idle_since)
+        timer.filling()
+        step = self._lay_out()
+        if not step.rows:
+            self._layout_policy.idle(time.monotonic(), self.cache, self.config, queued=bool(self._queue),
+                                     running=bool(self._live))
             return False
-        self._idle_since = None
-        self._sample_where(rows)
-        t_decode, cpu_decode = time.perf_counter(), time.thread_time()
-        decoded = self._decode(rows)
+        self._layout_policy.busy()
+        if self.config.backend_sampling:
+            self._sampler_switches += sample_where(self.ctx, step.rows)
+        timer.decoding()
+        decoded = self._decode(step)  # laid out again without pads if a padded decode failed
         if decoded is not None:
-            rows = decoded
             self._steps += 1
             self._sampled_on_device += len(self.ctx.device_rows)
-            self._advance(rows)  # cell bookkeeping, under the compute where llama_decode returns early (GPU)
+            self._advance(decoded.rows)  # cell bookkeeping, under the compute where llama_decode returns early (GPU)
             self.ctx.synchronize()  # the outputs are read next anyway: the wait is the decode's
-        t_sample, cpu_sample = time.perf_counter(), time.thread_time()
+        timer.sampling()
         if decoded is not None:
-            self._sample(rows)
-        t_end, host_cpu = time.perf_counter(), cpu_decode - cpu0 + time.thread_time() - cpu_sample
-        self._clock.add(t0, t_fill, t_decode, t_sample, t_end, host_cpu)
+            self._sample(decoded.rows)
+        times = timer.done()
+        self._clock.add(times)
         if decoded is not None:
-            self._account(rows, (t0, t_fill, t_decode, t_sample, t_end), host_cpu)
+            self._account(decoded, times)
         return True
 
-    def _account(self, rows: list[_Row], times: tuple[float, float, float, float, float], host_cpu: float) -> None:
+    def _account(self, step: StepBatch, times: StepTimes) -> None:
         """Count the micro-batches llama.cpp split this step's batch into; with a trace, write the step's line."""
-        # fill's by_seq order (unified: any order counts alike), the pads among the rows
-        shape = sorted([(r.seq, r.p1 - r.p0) for r in rows] + [(pad.seq, 1) for pad in self._pads])
-        micro = count_micro_batches(shape, self.ctx.params.n_ubatch, per_stream=not self.cache.shared)
+        micro = count_micro_batches(step.shape, self.ctx.params.n_ubatch, per_stream=not self.cache.shared)
         self._micro_batches += micro
         if self.trace is None:
             return
-        t0, t_fill, t_decode, t_sample, t_end = times
+        rows = step.rows
         prompt = [r.p1 - r.p0 for r in rows if r.choice is None]
         with self._lock:
             queued = len(self._queue)
         self.trace.record(StepRecord(
-            t_s=t0, admit_ms=1e3 * (t_fill - t0), fill_ms=1e3 * (t_decode - t_fill),
-            decode_ms=1e3 * (t_sample - t_decode), sample_ms=1e3 * (t_end - t_sample), host_cpu_ms=1e3 * host_cpu,
+            t_s=times.start, admit_ms=1e3 * times.admit_s, fill_ms=1e3 * times.fill_s,
+            decode_ms=1e3 * times.decode_s, sample_ms=1e3 * times.sample_s, host_cpu_ms=1e3 * times.host_cpu,
             tokens=sum(r.p1 - r.p0 for r in rows), decode_rows=len(rows) - len(prompt), prompt_tokens=sum(prompt),
             prompt_chunks=len(prompt), sequences=len({r.seq for r in rows}), micro_batches=micro,
             live=len(self._live), queued=queued, layout="unified" if self.cache.shared else "split",
-            pads=len(self._pads)))
+            pads=len(step.pads)))
 
     def _run_commands(self) -> None:
         while True:
@@ -429,7 +380,8 @@ class Engine:
             if pending is None:
                 return
             try:
-                if not self._layout_fits(pending):
+                if not self._layout_policy.admits(pending.stream.request, self.cache, self.config,
+                                                  running=bool(self._live)):
                     return
                 reserved = sum(live.future_cells() for live in self._live)
                 coming = max((common_prefix(x.request.prompt_array, pending.stream.request.prompt_array)
@@ -451,75 +403,13 @@ class Engine:
                 self._pin_slot(live)
                 self._end(live)
 
-    def _fill(self, *, pad: bool = True) -> list[_Row]:
-        """This step's batch: every decoding choice's token, then prompt chunks within the budget, round robin;
-        while exact requests prefill, one chunk of one of them (round robin) alone. In the split layout idle slots
-        between the step's sequences may get a throwaway token (:meth:`_pad`)."""
-        owners: list[tuple[Live, Choice | None]] = []
-        feeds: list[Feed] = []
-        prefilling = [live for live in self._live if live.prefilling]
-        exact = [live for live in prefilling if live.request.exact]
-        if exact:
-            prefilling = [exact[self._steps % len(exact)]]
-        else:
-            for live in self._live:
-                for choice in live.choices:
-                    if choice.pending is not None:
-                        owners.append((live, choice))
-                        feeds.append(Feed(choice.slot, choice.pos, (choice.pending,)))
-        decoding = len(feeds)
-        turn = self._steps % len(prefilling) if prefilling else 0
-        for live in prefilling[turn:] + prefilling[:turn]:
-            owners.append((live, None))
-            feeds.append(Feed(live.slot, 0, live.prompt, logits=not live.pin, done=live.prefilled))
-        landed = fill(self.batch, feeds, budget=self.ctx.n_batch, chunk=self.config.prefill_chunk,
-                      by_seq=not self.cache.shared)
-        self._pads = [] if exact or not (pad and self.config.pad_gaps) else self._pad(feeds, decoding, landed)
-        if self._pads:
-            padded = fill(self.batch, feeds[:decoding] + self._pads + feeds[decoding:], budget=self.ctx.n_batch,
-                          chunk=self.config.prefill_chunk, by_seq=True)
-            landed = padded[:decoding] + padded[decoding + len(self._pads):]
-        return [_Row(live, -1 if part.row is None else part.row, choice, part.p0, part.p1)
-                for (live, choice), part in zip(owners, landed)]
+    def _lay_out(self, *, pad: bool = True) -> StepBatch:
+        """This step's batch, of the running requests (see :mod:`kvrt.runtime.step_layout`); ``pad``: pads may
+        fill the split layout's idle slots between its sequences."""
+        return self._filler.fill(self._live, self._steps, self.ctx, self.cache, pad=pad)
 
-    def _pad(self, feeds: list[Feed], decoding: int, landed: list[Landed]) -> list[Feed]:
-        """The throwaway tokens (:meth:`PrefixCache.padding`) for the idle slots between the sequences of
-        ``landed``, when they make the step read fewer bytes (:meth:`_read_bytes`); they go after the ``decoding``
-        one-token feeds, so they take budget from prompt chunks only (none when they would leave a chunk no token)."""
-        pads = self.cache.padding([part.feed.seq for part in landed])
-        used = sum(part.p1 - part.p0 for part in landed)
-        squeezed = len(pads) - (self.ctx.n_batch - used)  # prompt tokens the pads take from the last chunk
-        if not pads or (squeezed > 0 and (len(landed) == decoding or squeezed >= landed[-1].p1 - landed[-1].p0)):
-            return []
-        shape = sorted((part.feed.seq, part.p1 - part.p0) for part in landed)
-        padded = sorted(shape + [(pad.seq, 1) for pad in pads])
-        return pads if self._read_bytes(padded) < self._read_bytes(shape) else []
-
-    def _read_bytes(self, shape: list[tuple[int, int]]) -> int:
-        """:func:`kvrt.engine.micro_batches.read_bytes` of a step of ``shape`` ((slot, tokens), in slot order): a pad
-        pays off when it joins runs (one weight pass fewer) without lengthening a run's attention by more."""
-        weights, per_cell = self._step_bytes
-        return read_bytes(shape, self.ctx.params.n_ubatch, self.cache.held, weights, per_cell)
-
-    def _sample_where(self, rows: list[_Row]) -> None:
-        """With ``backend_sampling``, each row with logits is sampled in the decode's graph when all its pickers
-        are plain greedy and no logprobs are asked (only the picked token comes back), else on the host from its
-        copied logits. A slot keeps its setting until a request on it needs the other: each change makes
-        llama.cpp reserve its graphs again."""
-        if not self.config.backend_sampling:
-            return
-        on_device = self.ctx.sampled_on_device  # a step's rows are in distinct slots: one look for all of them
-        for r in rows:
-            if r.row < 0:
-                continue
-            pickers = [r.choice] if r.choice is not None else r.live.choices
-            greedy = r.live.request.logprobs is None and all(c.sampler.plain_greedy for c in pickers)
-            if greedy != (r.seq in on_device):
-                self.ctx.sample_on_device(r.seq, greedy)
-                self._sampler_switches += 1
-
-    def _decode(self, rows: list[_Row]) -> list[_Row] | None:
-        """``ctx.decode`` of the batch: the rows decoded, or ``None`` when it failed and the requests in it did
+    def _decode(self, step: StepBatch) -> StepBatch | None:
+        """``ctx.decode`` of the batch: the step decoded, or ``None`` when it failed and the requests in it did
         (nothing else is touched). The pads of the step are removed after it either way.
 
         Code 1 (no free cells; llama.cpp rolled its memory back) in the unified layout first evicts every
@@ -531,23 +421,23 @@ class Engine:
             try:
                 self.ctx.decode(self.batch)
                 self.cache.settled()
-                return rows
+                return step
             except DecodeError as exc:
-                if attempt == 0 and self._pads:
-                    log.warning("a step with %d pads failed (%s); once more without them", len(self._pads), exc)
-                    self.cache.unpad(self._pads)
-                    rows = self._fill(pad=False)
+                if attempt == 0 and step.pads:
+                    log.warning("a step with %d pads failed (%s); once more without them", len(step.pads), exc)
+                    self.cache.unpad(step.pads)
+                    step = self._lay_out(pad=False)
                     continue
                 if attempt == 0 and exc.code == 1 and self.cache.shared and self.cache.evict_all():
                     continue
-                for live in {id(r.live): r.live for r in rows}.values():
+                for live in {id(r.live): r.live for r in step.rows}.values():
                     self._fail(live, exc)
                 return None
             finally:
-                self.cache.unpad(self._pads)
+                self.cache.unpad(step.pads)
         return None
 
-    def _advance(self, rows: list[_Row]) -> None:
+    def _advance(self, rows: list[Row]) -> None:
         """Mirror the decoded cells, share prompt chunks with the forks, run ``after_chunk`` hooks."""
         for r in rows:
             live = r.live
@@ -567,7 +457,7 @@ class Engine:
                 except Exception as exc:
                     self._fail(live, EngineError(f"after_chunk({r.p0}, {r.p1}) raised {exc!r}"))
 
-    def _sample(self, rows: list[_Row]) -> None:
+    def _sample(self, rows: list[Row]) -> None:
         """Each row with logits is sampled by its choice(s); finished requests end.
 
         The rows of plain greedy choices are picked first, by one argmax over the step's logits.
@@ -599,54 +489,10 @@ class Engine:
         token = greedy[row] if choice.sampler.plain_greedy else choice.sampler.sample(self.ctx, row)
         live.accept(choice, token, lambda: self.ctx.logits(row), self.cache)
 
-    # -- the KV layout (auto) ------------------------------------------------------------
-    def _layout_fits(self, pending: Pending) -> bool:
-        """Whether the head of the queue may be placed in the current layout; under ``auto`` the context turns
-        unified for a request that needs more than a slot's share once nothing runs (False: wait till then), and
-        split for one that fits a slot and gains little from the pool's cache, when nothing runs (see
-        :meth:`_split_now`).
-        Raises :class:`RequestTooLarge` when pinned prefixes hold the split layout such a request cannot use."""
-        request = pending.stream.request
-        if self.cache.shared and self._split_now(request):
-            self._switch_to = False
-            return False
-        if self.cache.shared or fits_a_slot(request, self.cache):
-            return True
-        if self.cache.pinned:
-            raise RequestTooLarge(f"prompt ({len(request.prompt)} tokens) + max_tokens "
-                                  f"({request.params.max_tokens}) exceeds a slot's {self.cache.slot_cells} cells, "
-                                  "and pinned prefixes keep the context split; unpin them to run it")
-        if not self._live:
-            self._switch_to = True
-        return False
-
-    def _split_when_idle(self, idle_s: float) -> None:
-        """Under ``auto``, a unified context idle for ``split_after_idle_s`` becomes split again when nothing it
-        caches needs more."""
-        if (not self._queue and idle_s >= self.config.split_after_idle_s and self._may_split()
-                and all(self.cache.held(slot) <= self.config.split_cells for slot in range(self.cache.n_slots))):
-            self._switch_to = False
-
-    def _split_now(self, request: Request) -> bool:
-        """Under ``auto``, whether a unified context with nothing running should turn split for ``request`` at the
-        head of the queue: it fits a slot's stream and the pool's cache holds less than half of its prompt. What
-        the pool caches is dropped by the switch (a conversation longer than a slot's stream turns it unified
-        again if it returns); an agent's next turn, which finds its history, keeps the pool."""
-        if len(request.prompt) + request.params.max_tokens > self.config.split_cells or not self._may_split():
-            return False
-        kept = max(self.cache.longest_prefix(request.prompt_array)[1],
-                   self.cache.host_prefix(request.prompt_array)[1])
-        return 2 * kept < len(request.prompt)
-
-    def _may_split(self) -> bool:
-        """Whether ``auto`` may recreate the unified context split now: nothing runs or is pinned."""
-        return (self.config.kv_layout == "auto" and self.cache.shared and self.config.split_cells > 0
-                and not self._live and not self.cache.pinned)
-
+    # -- the KV layout (auto: :mod:`kvrt.runtime.layout_policy` decides, the worker switches) ------------------
     def _switch(self, shared: bool) -> None:
         """The worker recreates the context in the layout asked for. If that fails, the request that needed the
         pool is refused, or the context stays unified for good."""
-        self._switch_to = None
         try:
             self._relayout(shared=shared)
         except KvrtError as exc:

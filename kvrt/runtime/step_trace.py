@@ -1,24 +1,108 @@
-"""A line of JSON per engine step: what the batch held and where the step's time went.
+"""Where an engine step's time went: its phases timed, summed over the run, and a line of JSON per step.
 
-The engine's counters (:class:`kvrt.runtime.requests.EngineStats`) sum a run up; a trace
-says which steps were slow and what they carried: decode rows, prompt chunks, sequences,
-the micro-batches llama.cpp split the batch into (:mod:`kvrt.engine.micro_batches`) and the
-four phases of :meth:`kvrt.runtime.batching.Engine.step` in milliseconds. ``kvrt serve
+A step of :meth:`kvrt.runtime.batching.Engine.step` has four phases: admission (commands,
+deadlines, placing waiting requests), filling the batch, ``llama_decode`` until its outputs
+are ready (the cell bookkeeping runs under it), and sampling with streaming out.
+:class:`StepTimer` stamps them as the worker goes (:class:`StepTimes`); :class:`StepClock`
+sums them for the engine's counters (:class:`kvrt.runtime.requests.EngineStats`), which sum
+a run up; a trace says which steps were slow and what they carried: decode rows, prompt
+chunks, sequences, the micro-batches llama.cpp split the batch into
+(:mod:`kvrt.engine.micro_batches`) and the four phases in milliseconds. ``kvrt serve
 --step-trace DIR`` writes one file per model; ``tools/step_trace_summary.py`` groups a
 file's steps by what they carried.
 
-Written on the engine's thread only, line-buffered (a trace read while the server runs
-is whole up to its last step); the cost when tracing is off is one ``None`` check a step.
+Apart from the engine so that one definition of a phase serves the counters and the trace:
+both are read from the same :class:`StepTimes`, so they always agree. Written on the engine's
+thread only, line-buffered (a trace read while the server runs is whole up to its last step);
+the cost when tracing is off is one ``None`` check a step.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
 
 from kvrt.errors import KvrtError
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """One step's phase boundaries on the ``time.perf_counter`` clock (seconds): it started (admission), began
+    filling its batch, decoding it, sampling, and ended; ``host_cpu``: the worker thread's CPU time in the three
+    host phases (admit, fill, sample): their wall time less it is time the worker waited (for the GIL another
+    thread held, or blocked)."""
+
+    start: float
+    fill: float
+    decode: float
+    sample: float
+    end: float
+    host_cpu: float
+
+    @property
+    def admit_s(self) -> float:
+        return self.fill - self.start
+
+    @property
+    def fill_s(self) -> float:
+        return self.decode - self.fill
+
+    @property
+    def decode_s(self) -> float:
+        return self.sample - self.decode
+
+    @property
+    def sample_s(self) -> float:
+        return self.end - self.sample
+
+
+class StepTimer:
+    """Stamps one step's phases as the worker goes through them: made as the step starts, then :meth:`filling`,
+    :meth:`decoding` and :meth:`sampling` as each phase begins, and :meth:`done` at its end."""
+
+    def __init__(self) -> None:
+        self._start, self._cpu = time.perf_counter(), time.thread_time()
+        self._fill = self._decode = self._sample = self._host_cpu = 0.0
+
+    def filling(self) -> None:
+        self._fill = time.perf_counter()
+
+    def decoding(self) -> None:
+        self._decode, cpu = time.perf_counter(), time.thread_time()
+        self._host_cpu = cpu - self._cpu  # admit and fill
+
+    def sampling(self) -> None:
+        self._sample, self._cpu = time.perf_counter(), time.thread_time()
+
+    def done(self) -> StepTimes:
+        end, cpu = time.perf_counter(), time.thread_time()
+        return StepTimes(self._start, self._fill, self._decode, self._sample, end, self._host_cpu + cpu - self._cpu)
+
+
+@dataclass
+class StepClock:
+    """Where the steps that decoded a batch spent their wall time (seconds, summed), phase by phase (see
+    :class:`StepTimes`)."""
+
+    admit_s: float = 0.0
+    fill_s: float = 0.0
+    decode_s: float = 0.0
+    sample_s: float = 0.0
+    host_cpu_s: float = 0.0
+
+    @property
+    def busy_s(self) -> float:
+        return self.admit_s + self.fill_s + self.decode_s + self.sample_s
+
+    def add(self, times: StepTimes) -> None:
+        self.admit_s += times.admit_s
+        self.fill_s += times.fill_s
+        self.decode_s += times.decode_s
+        self.sample_s += times.sample_s
+        self.host_cpu_s += times.host_cpu
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,144 @@
+"""One engine step's batch: which tokens of which running requests it holds, in which rows, beside which pads.
+
+What: :meth:`BatchFiller.fill` lays out a step of :class:`kvrt.runtime.batching.Engine`: the last sampled token of
+every decoding choice, then prompt chunks of at most ``prefill_chunk`` tokens per request, round robin, up to
+``n_batch`` tokens (split layout: rows in slot order, so llama.cpp computes consecutive streams together). While an
+``exact`` request prefills, the step holds one chunk of one of them (round robin) and nothing else: llama.cpp's CPU
+kernels round by micro-batch shape, and this is the shape a cold prefill gives the chunk. In the split layout the
+idle slots between the step's sequences may get a throwaway token each (a pad, see
+:meth:`kvrt.runtime.prefix_cache.PrefixCache.padding`), when that makes the step read fewer bytes.
+:func:`sample_where` then says, row by row, whether llama.cpp samples it in the decode's graph.
+
+Why apart: how a step is packed (chunks, turns, pads, the bytes a step reads) is decided from the running requests
+and the cache's slots alone; the engine decodes what it gets, and this is the one place that packing is read or
+changed.
+
+Invariants: decode tokens go first, so a long prompt never delays them and pads take budget from prompt chunks only;
+pads are added only when they lower the step's bytes read, and they never cost a row: at most they shorten the last
+prompt chunk, by fewer tokens than it has. Pads exist in the context only between the fill and the decode: the
+caller removes them (:meth:`PrefixCache.unpad`) after the decode, failed or not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvrt.engine.batch import Batch
+from kvrt.engine.context import Context
+from kvrt.engine.decode_step import Feed, Landed, fill
+from kvrt.engine.geometry import ModelGeometry
+from kvrt.engine.micro_batches import read_bytes
+from kvrt.engine.model import Model
+from kvrt.runtime.live import Choice, Live
+from kvrt.runtime.prefix_cache import PrefixCache
+
+
+@dataclass(frozen=True)
+class Row:
+    """One request's part of a step's batch: a decode token of ``choice``, or prompt positions [p0, p1);
+    ``row`` is its logits row (-1: a prompt chunk that is not the last, or a pin's)."""
+
+    live: Live
+    row: int
+    choice: Choice | None = None
+    p0: int = 0
+    p1: int = 0
+
+    @property
+    def seq(self) -> int:
+        return self.choice.slot if self.choice is not None else self.live.slot
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """What one step's batch holds: the requests' rows, in the order they were chosen, and the pads beside them."""
+
+    rows: list[Row]
+    pads: list[Feed]
+
+    @property
+    def shape(self) -> list[tuple[int, int]]:
+        """(slot, tokens) of every sequence in the batch, pads included, in slot order (fill's ``by_seq`` order;
+        unified, any order counts alike): what llama.cpp splits into micro-batches."""
+        return sorted([(r.seq, r.p1 - r.p0) for r in self.rows] + [(pad.seq, 1) for pad in self.pads])
+
+
+class BatchFiller:
+    """Lays out steps into ``batch`` (see the module docstring); ``model`` gives the bytes a step reads (its
+    weights, and a cell's K/V) that decide whether pads pay off."""
+
+    def __init__(self, batch: Batch, model: Model, *, chunk: int, pad_gaps: bool) -> None:
+        self.batch = batch
+        self.chunk = chunk
+        self.pad_gaps = pad_gaps
+        geometry = ModelGeometry(model.n_layer, model.n_embd, model.n_head, model.n_head_kv, model.n_vocab)
+        self._weight_bytes, self._cell_bytes = model.size_bytes, geometry.kv_bytes_per_token()
+
+    def fill(self, running: Sequence[Live], turn: int, ctx: Context, cache: PrefixCache, *,
+             pad: bool = True) -> StepBatch:
+        """The step of the ``running`` requests (in admission order), written into the batch. ``turn`` (the step
+        count) picks whose prompt chunk comes first, and which exact request prefills alone; ``pad``: pads may be
+        added (with ``pad_gaps``)."""
+        owners: list[tuple[Live, Choice | None]] = []
+        feeds: list[Feed] = []
+        prefilling = [live for live in running if live.prefilling]
+        exact = [live for live in prefilling if live.request.exact]
+        if exact:
+            prefilling = [exact[turn % len(exact)]]
+        else:
+            for live in running:
+                for choice in live.choices:
+                    if choice.pending is not None:
+                        owners.append((live, choice))
+                        feeds.append(Feed(choice.slot, choice.pos, (choice.pending,)))
+        decoding = len(feeds)
+        first = turn % len(prefilling) if prefilling else 0
+        for live in prefilling[first:] + prefilling[:first]:
+            owners.append((live, None))
+            feeds.append(Feed(live.slot, 0, live.prompt, logits=not live.pin, done=live.prefilled))
+        landed = fill(self.batch, feeds, budget=ctx.n_batch, chunk=self.chunk, by_seq=not cache.shared)
+        pads = [] if exact or not (pad and self.pad_gaps) else self._pads(landed, decoding, ctx, cache)
+        if pads:
+            padded = fill(self.batch, feeds[:decoding] + pads + feeds[decoding:], budget=ctx.n_batch,
+                          chunk=self.chunk, by_seq=True)
+            landed = padded[:decoding] + padded[decoding + len(pads):]
+        rows = [Row(live, -1 if part.row is None else part.row, choice, part.p0, part.p1)
+                for (live, choice), part in zip(owners, landed)]
+        return StepBatch(rows, pads)
+
+    def _pads(self, landed: list[Landed], decoding: int, ctx: Context, cache: PrefixCache) -> list[Feed]:
+        """The pads for the idle slots between the sequences of ``landed``, when they make the step read fewer
+        bytes (:meth:`_read_bytes`); they go after the ``decoding`` one-token feeds, so they take budget from
+        prompt chunks only (none when they would leave a chunk no token)."""
+        pads = cache.padding([part.feed.seq for part in landed])
+        used = sum(part.p1 - part.p0 for part in landed)
+        squeezed = len(pads) - (ctx.n_batch - used)  # prompt tokens the pads take from the last chunk
+        if not pads or (squeezed > 0 and (len(landed) == decoding or squeezed >= landed[-1].p1 - landed[-1].p0)):
+            return []
+        shape = sorted((part.feed.seq, part.p1 - part.p0) for part in landed)
+        padded = sorted(shape + [(pad.seq, 1) for pad in pads])
+        return pads if self._read_bytes(padded, ctx, cache) < self._read_bytes(shape, ctx, cache) else []
+
+    def _read_bytes(self, shape: list[tuple[int, int]], ctx: Context, cache: PrefixCache) -> int:
+        """:func:`kvrt.engine.micro_batches.read_bytes` of a step of ``shape`` ((slot, tokens), in slot order): a pad
+        pays off when it joins runs (one weight pass fewer) without lengthening a run's attention by more."""
+        return read_bytes(shape, ctx.params.n_ubatch, cache.held, self._weight_bytes, self._cell_bytes)
+
+
+def sample_where(ctx: Context, rows: Sequence[Row]) -> int:
+    """With ``backend_sampling`` (the caller asks only then): each row with logits is set to be sampled in the
+    decode's graph when all its pickers are plain greedy and no logprobs are asked (only the picked token comes
+    back), else on the host from its copied logits. A slot keeps its setting until a request on it needs the
+    other: each change makes llama.cpp reserve its graphs again. Returns how many slots changed."""
+    switches = 0
+    on_device = ctx.sampled_on_device  # a step's rows are in distinct slots: one look for all of them
+    for r in rows:
+        if r.row < 0:
+            continue
+        pickers = [r.choice] if r.choice is not None else r.live.choices
+        greedy = r.live.request.logprobs is None and all(c.sampler.plain_greedy for c in pickers)
+        if greedy != (r.seq in on_device):
+            ctx.sample_on_device(r.seq, greedy)
+            switches += 1
+    return switches
