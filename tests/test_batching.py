@@ -454,6 +454,40 @@ def test_pins_count_against_the_cells_a_request_can_have(tiny_model):
             eng.submit(Request(list(range(300, 330)), greedy(40))).result(WAIT_S)
 
 
+def wait_for(condition, what: str) -> None:
+    """Poll ``condition`` until it holds, failing after WAIT_S (a bound on a hang, not a timing)."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("write_behind", [True, False])
+def test_an_idle_engine_copies_cached_slots_to_the_host_tier_before_they_are_evicted(tiny_model, write_behind):
+    """Write-behind: each finished conversation's slot is copied to the host tier while the engine idles, so the
+    evictions the later ones make copy nothing (one copy per conversation in all); without it, nothing is copied
+    until a slot is evicted. Either way the evicted conversation's next turn is restored, not prefilled, and
+    its tokens are a fresh context's."""
+    prompts = [text_tokens(tiny_model, f"talk {i}: " + "words and more words " * 5) for i in range(4)]
+    with engine(tiny_model, n_ctx=256, n_seq_max=4, n_batch=64, host_bytes=1 << 26,
+                host_write_behind=write_behind) as eng:
+        answers = []
+        for done, prompt in enumerate(prompts, 1):
+            answers.append(eng.submit(Request(prompt, greedy(8))).result(WAIT_S).choices[0].tokens)
+            if write_behind:  # every cached slot copied, none twice
+                wait_for(lambda: eng.stats().host_kept == done, f"{done} slots copied while idle")
+            elif done == 2:  # nothing evicted yet (two conversations fit the 256 cells): nothing copied
+                assert eng.stats().host_kept == 0
+        assert eng.cache.longest_prefix(prompts[0])[1] < len(prompts[0])  # the first left the context
+        evicted = eng.stats().host_kept
+        history = prompts[0] + answers[0] + text_tokens(tiny_model, " and then", bos=False)
+        again = eng.submit(Request(history, greedy(6))).result(WAIT_S)
+    held = len(prompts[0]) + len(answers[0]) - 1  # the first turn's last sampled token was never decoded
+    assert evicted == 4 if write_behind else 1 <= evicted < 4
+    assert again.end.cached_tokens == held
+    assert again.choices[0].tokens == alone(tiny_model, history, greedy(6))
+
+
 def test_cells_are_evicted_lru_and_the_mirror_matches_llama_cpp(tiny_model):
     gate = StepGate()
     prompts = [text_tokens(tiny_model, f"prompt {i}: " + "words and more words " * 5) for i in range(5)]

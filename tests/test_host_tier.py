@@ -52,6 +52,29 @@ def test_the_entry_holds_what_the_writer_wrote_and_a_failed_write_keeps_nothing(
     assert tier.keep([3], 4 * ALIGN, filler(3, 4 * ALIGN))  # and the whole arena is free again
 
 
+def test_a_copy_the_tier_holds_is_not_made_again_and_marked_recently_used():
+    tier = HostTier(2 * ALIGN, min_tokens=1)
+    assert tier.keep([1, 2], ALIGN, filler(1, ALIGN), owner="a") and tier.keep([3], ALIGN, filler(3, ALIGN))
+
+    def must_not_write(view: np.ndarray) -> int:
+        raise AssertionError("the tier copied a state it already holds")
+
+    assert tier.holds([1, 2], owner="a") and not tier.holds([1, 2]) and not tier.holds([1])
+    assert tier.keep([1, 2], ALIGN, must_not_write, owner="a")  # held: [1, 2] is now the most recently used
+    assert tier.keep([4], ALIGN, filler(4, ALIGN))  # so [3] leaves for [4]
+    assert tier.longest([3])[0] is None and (tier.longest([1, 2])[0].state == 1).all()
+    assert tier.stats.kept == 3 and not tier.holds([1, 2], cold=1, owner="a")  # a colder copy is not that one
+
+
+def test_a_copy_without_making_room_takes_free_room_only():
+    tier = HostTier(2 * ALIGN, min_tokens=1)
+    assert tier.keep([1], ALIGN, filler(1, ALIGN), make_room=False)
+    assert not tier.keep([2], 2 * ALIGN, filler(2, 2 * ALIGN), make_room=False)  # no room: nothing leaves
+    assert len(tier) == 1 and (tier.longest([1])[0].state == 1).all() and tier.stats.dropped == 0
+    assert tier.keep([1, 5], ALIGN, filler(5, ALIGN), make_room=False)  # free room; it supersedes [1]
+    assert len(tier) == 1 and tier.longest([1])[0].tokens == (1, 5) and tier.nbytes == ALIGN
+
+
 def test_worth_keeping_close_and_bad_settings():
     assert not HostTier(0).worth_keeping(1000) and not HostTier(10, min_tokens=32).worth_keeping(31)
     tier = HostTier(ALIGN, min_tokens=1)

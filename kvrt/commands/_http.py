@@ -106,7 +106,8 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
                           prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
                           flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout,
                           pad_gaps=getattr(args, "pad_gaps", "on") == "on",
-                          backend_sampling=getattr(args, "backend_sampling", "off") == "on")
+                          backend_sampling=getattr(args, "backend_sampling", "off") == "on",
+                          host_write_behind=getattr(args, "host_write_behind", "on") == "on")
     state_dir = getattr(args, "state_dir", None)
     options = HttpOptions(models=tuple(Path(p) for p in getattr(args, "model", None) or ()),
                           models_dir=Path(args.models_dir) if getattr(args, "models_dir", None) else None,

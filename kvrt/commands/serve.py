@@ -114,6 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="greedy requests without logprobs get their next token picked inside llama.cpp's "
                              "decode graph (llama.cpp's backend sampling), so no row of logits (4 bytes a vocabulary "
                              "entry) is copied out and scanned on the host for them; other requests as before")
+    parser.add_argument("--host-write-behind", choices=("on", "off"), default="on",
+                        help="with a host tier: while nothing runs or waits, cached histories are copied to the host "
+                             "tier's free room, so the request that later evicts one does not wait for its copy")
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="clients served at once; more get ERR TOO_MANY_CONNECTIONS")
     parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
@@ -216,7 +219,8 @@ def _start_socket(args: argparse.Namespace, registry: ModelRegistry, budget: Bud
         scheduler = BatchedScheduler(ledger, registry, config=BatchConfig(
             n_ctx=args.batch_cells, n_seq_max=args.batch_slots, n_threads=args.threads,
             host_bytes=args.batch_host_mib << 20, kv_layout=args.kv_layout,
-            pad_gaps=args.pad_gaps == "on", backend_sampling=args.backend_sampling == "on"),
+            pad_gaps=args.pad_gaps == "on", backend_sampling=args.backend_sampling == "on",
+            host_write_behind=args.host_write_behind == "on"),
             state_dir=args.state_dir)
     else:
         scheduler = Scheduler(ledger, registry, n_threads=args.threads, state_dir=args.state_dir,

@@ -55,7 +55,9 @@ class EngineConfig:
     when that makes the step read fewer bytes (:meth:`kvrt.runtime.prefix_cache.PrefixCache.padding`).
     ``backend_sampling``: a step's plain greedy rows (no logprobs) are picked inside llama.cpp's decode graph
     (:meth:`kvrt.engine.context.Context.sample_on_device`), so no row of logits is copied out or scanned on the
-    host for them.
+    host for them. ``host_write_behind`` (with ``host_bytes``): while nothing runs or waits, cached slots are
+    copied into the host tier's free room one by one, so an eviction later costs no copy in the admission that
+    makes it.
     """
 
     n_ctx: int = 4096
@@ -70,6 +72,7 @@ class EngineConfig:
     split_after_idle_s: float = 2.0  # longer than an agent's pause between turns: a switch drops the cache
     pad_gaps: bool = True  # split: idle slots between a step's sequences get a throwaway token (see above)
     backend_sampling: bool = False  # plain greedy rows picked in the decode's graph (see above)
+    host_write_behind: bool = True  # an idle engine copies cached slots to the host tier before they are evicted
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_seq_max", "n_batch", "prefill_chunk", "max_queue"):

@@ -295,7 +295,8 @@ class Engine:
                 self._wake.clear()
 
     def step(self) -> bool:
-        """One turn of the loop (on the worker thread); False when there was nothing to decode."""
+        """One turn of the loop (on the worker thread); False when it did nothing: nothing to decode, no cached
+        slot to copy to the host tier (:meth:`_write_behind`)."""
         timer = StepTimer()
         if self.before_step is not None:
             self.before_step()
@@ -307,7 +308,7 @@ class Engine:
         if not step.rows:
             self._layout_policy.idle(time.monotonic(), self.cache, self.config, queued=bool(self._queue),
                                      running=bool(self._live))
-            return False
+            return self._write_behind()
         self._layout_policy.busy()
         if self.config.backend_sampling:
             self._sampler_switches += sample_where(self.ctx, step.rows)
@@ -490,6 +491,14 @@ class Engine:
         live.accept(choice, token, lambda: self.ctx.logits(row), self.cache)
 
     # -- the KV layout (auto: :mod:`kvrt.runtime.layout_policy` decides, the worker switches) ------------------
+    def _write_behind(self) -> bool:
+        """With ``host_write_behind``, while nothing runs or waits, one cached slot is copied into the host tier's
+        free room (:meth:`PrefixCache.back_up`), so the request that later evicts it does not wait for the copy.
+        True when one was: the loop comes straight back, and a request arriving meanwhile waits for one slot's
+        copy at most."""
+        return (self.config.host_write_behind and not self._live and not self._queue
+                and self._layout_policy.switch_to is None and self.cache.back_up())
+
     def _switch(self, shared: bool) -> None:
         """The worker recreates the context in the layout asked for. If that fails, the request that needed the
         pool is refused, or the context stays unified for good."""

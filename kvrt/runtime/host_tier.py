@@ -169,20 +169,33 @@ class HostTier:
     def worth_keeping(self, n_tokens: int) -> bool:
         return n_tokens >= self.min_tokens and self.capacity_bytes > 0
 
+    def holds(self, tokens: TokenIds, *, cold: int = 0, owner: str | None = None) -> bool:
+        """Whether an entry already is what :meth:`keep` of these arguments would make: exactly ``tokens``,
+        at least ``cold`` of them computed cold, the same ``owner``."""
+        entry = self._entries.get(tokens)
+        return entry is not None and entry.cold >= cold and entry.owner == owner
+
     def keep(self, tokens: Sequence[int], nbytes: int, write: Callable[[np.ndarray], int], *, cold: int = 0,
-             owner: str | None = None) -> bool:
+             owner: str | None = None, make_room: bool = True) -> bool:
         """Keep the state of exactly ``tokens`` (the first ``cold`` computed cold; ``owner``'s history, or
-        anonymous): ``write(view)`` fills ``nbytes`` of host memory and returns the bytes it wrote. Least recently
-        used entries leave until the copy finds room, anonymous ones before agents'; False when it never can
-        (larger than the tier). ``write``'s exception propagates, leaving the tier
-        without the copy."""
+        anonymous): ``write(view)`` fills ``nbytes`` of host memory and returns the bytes it wrote. An entry that
+        :meth:`holds` it already is marked recently used, nothing copied. Least recently used entries leave
+        until the copy finds room, anonymous ones before agents' (``make_room=False``: none leaves, the copy is
+        made only into free room); False when it is not made (larger than the tier, or no free room).
+        ``write``'s exception propagates, leaving the tier without the copy."""
+        key = tuple(int(t) for t in tokens)
+        if self.holds(key, cold=cold, owner=owner):
+            self._eviction.touch(key)
+            return True
         if piece_size(nbytes) > self.capacity_bytes:
             return False
         t0 = time.perf_counter()
-        key = tuple(int(t) for t in tokens)
+        piece = self._arena.alloc(nbytes)
+        if piece is None and not make_room:
+            return False
         for _, old in self._entries.prefixes(key):
             self._drop(old.tokens)  # the new copy holds all of it
-        piece = self._arena.alloc(nbytes)
+        piece = piece or self._arena.alloc(nbytes)
         while piece is None and (victim := self._eviction.victim()) is not None:
             self._drop(victim)
             piece = self._arena.alloc(nbytes)

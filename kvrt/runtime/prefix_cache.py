@@ -29,7 +29,9 @@ next successful decode (:meth:`settled`), so until then no slot it reads or writ
 restored from or copied to the host (their device data is not what the mirror says yet).
 
 With a :class:`kvrt.runtime.host_tier.HostTier` an evicted slot's state is first copied
-to host memory; :meth:`PrefixCache.restore` brings such a copy back into a slot.
+to host memory, unless :meth:`PrefixCache.back_up` copied it while the engine had nothing
+to decode (write-behind: the copy leaves the admission of the request that evicts it);
+:meth:`PrefixCache.restore` brings such a copy back into a slot.
 
 Each slot also records how many of its first positions were computed *cold*: in the
 micro-batches a prefill of its tokens alone, from position 0, puts them in (whole
@@ -396,16 +398,31 @@ class PrefixCache:
         if slot in self._eviction:
             self._eviction.unpin(slot)
 
-    def _copy_to_host(self, slot: int) -> None:
+    def back_up(self) -> bool:
+        """Write-behind, for an engine with nothing to decode: copy the cached slot that is next in eviction order
+        and has no host copy yet into the host tier's free room (no entry leaves for it), so that its eviction
+        later finds the copy made (:meth:`HostTier.keep`) and costs a ``seq_rm`` only. True when one was copied.
+        Invariant: a copy is of a slot's whole settled state, so it is exactly what an eviction would copy."""
+        if self.host is None:
+            return False
+        for slot in self._eviction:
+            tokens = self._tokens[slot].view()
+            if (slot not in self._unsettled and self.host.worth_keeping(len(tokens))
+                    and not self.host.holds(tokens, cold=self._cold[slot], owner=self._owner[slot])):
+                return self._copy_to_host(slot, make_room=False)
+        return False
+
+    def _copy_to_host(self, slot: int, *, make_room: bool = True) -> bool:
         assert self.host is not None
         if slot in self._unsettled:  # its device data is not what the mirror says until the next decode
-            return
+            return False
         try:
-            self.host.keep(self.tokens(slot), self.ctx.seq_state_size(slot),
-                           lambda view: self.ctx.seq_state_get(slot, view), cold=self._cold[slot],
-                           owner=self._owner[slot])
+            return self.host.keep(self.tokens(slot), self.ctx.seq_state_size(slot),
+                                  lambda view: self.ctx.seq_state_get(slot, view), cold=self._cold[slot],
+                                  owner=self._owner[slot], make_room=make_room)
         except KvrtError as exc:  # e.g. a sliding-window cache that no longer holds the whole prefix
             log.debug("slot %d not copied to the host tier: %s", slot, exc)
+            return False
 
     def _forget(self, cells: Iterable[int]) -> None:
         for cell in cells:
