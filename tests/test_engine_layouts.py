@@ -125,7 +125,8 @@ def test_a_switch_drops_the_cache_and_a_returning_conversation_is_prefilled_exac
     drops the host tier's copies, so the next turn is prefilled (not restored), with the right tokens."""
     short = private_histories(tiny_model.n_vocab, 1, 60, seed=6)[0]
     long = private_histories(tiny_model.n_vocab, 1, 400, seed=7)[0]
-    with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64, host_bytes=1 << 26) as eng:
+    # no write-behind: a copy of the last turn's slot made while the engine idles would race the tier's count
+    with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64, host_bytes=1 << 26, host_write_behind=False) as eng:
         reply = eng.submit(Request(short, greedy(4))).result(WAIT_S).choices[0].tokens
         eng.submit(Request(long, greedy(4))).result(WAIT_S)
         turn = short + reply + [9, 10]

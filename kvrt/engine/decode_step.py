@@ -64,13 +64,7 @@ def fill(batch: Batch, feeds: Iterable[Feed], *, budget: int, chunk: int, by_seq
     starts another at every break in the order.
     """
     batch.clear()
-    chosen: list[tuple[Feed, int]] = []
-    for feed in feeds:
-        take = min(feed.left, chunk, budget)
-        if take <= 0:
-            break
-        chosen.append((feed, take))
-        budget -= take
+    chosen = takes(feeds, budget=budget, chunk=chunk)
     landed: list[Landed | None] = [None] * len(chosen)
     order = sorted(range(len(chosen)), key=lambda i: chosen[i][0].seq) if by_seq else range(len(chosen))
     for i in order:
@@ -80,6 +74,19 @@ def fill(batch: Batch, feeds: Iterable[Feed], *, budget: int, chunk: int, by_seq
         row = batch.add_sequence(feed.tokens[feed.done:feed.done + take], p0, feed.seq, logits_last=last)
         landed[i] = Landed(feed, p0, p0 + take, row if last else None)
     return [part for part in landed if part is not None]
+
+
+def takes(feeds: Iterable[Feed], *, budget: int, chunk: int) -> list[tuple[Feed, int]]:
+    """The tokens :func:`fill` gives each feed, in order: ``min(left, chunk, budget left)``, up to the first feed
+    that gets none."""
+    chosen: list[tuple[Feed, int]] = []
+    for feed in feeds:
+        take = min(feed.left, chunk, budget)
+        if take <= 0:
+            break
+        chosen.append((feed, take))
+        budget -= take
+    return chosen
 
 
 def advance(landed: Iterable[Landed]) -> None:

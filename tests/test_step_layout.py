@@ -1,0 +1,79 @@
+"""A split-layout step's prompt chunks evened (kvrt.runtime.step_layout.even_chunks), against llama.cpp's split rule.
+
+Reference: :func:`kvrt.engine.micro_batches.split_per_stream`, checked token by token against a port of llama.cpp's
+``split_equal`` in test_micro_batches.py; the engine's outputs are compared with a fresh context's (the tiny F32
+model is exact under batching).
+"""
+
+from __future__ import annotations
+
+from test_batching import alone, engine, greedy
+
+from kvrt.engine.decode_step import Feed, takes
+from kvrt.engine.micro_batches import read_bytes, split_per_stream
+from kvrt.runtime.requests import Request
+from kvrt.runtime.step_layout import even_chunks
+
+WEIGHTS = 15 << 30  # the Qwen2.5-7B shape in F16: what a micro-batch reads besides the K/V
+CELL = 57_344  # its K/V a cell
+
+
+def cost(held: int):
+    return lambda shape: read_bytes(shape, 512, lambda seq: held, WEIGHTS, CELL)
+
+
+def step_feeds(decoding: list[int], prompting: list[int], left: int) -> list[Feed]:
+    return ([Feed(seq, 100, (7,)) for seq in decoding]
+            + [Feed(seq, 0, tuple(range(left)), done=0) for seq in prompting])
+
+
+def split_of(feeds: list[Feed], chunk: int, budget: int) -> list[dict[int, int]]:
+    return split_per_stream(sorted((f.seq, t) for f, t in takes(feeds, budget=budget, chunk=chunk)), 512)
+
+
+def test_a_decode_row_that_cuts_the_last_chunk_short_evens_all_of_them():
+    """The H100 trace's case: one decode row and four 512-token chunks in 2,048 tokens (the last cut to 511)."""
+    feeds = step_feeds([5], [6, 7, 8, 9], 4096)
+    assert len(split_of(feeds, 512, 2048)) == 6  # 1 + 3 x 128 + 127 + 1 of each: six weight passes
+    chunk, budget = even_chunks(feeds, 1, budget=2048, chunk=512, cost=cost(4096))
+    assert (chunk, budget) == (511, 2048)
+    evened = split_of(feeds, chunk, budget)
+    assert len(evened) == 5 and sum(sum(part.values()) for part in evened) == 2045
+
+
+def test_a_chunk_cut_to_a_sliver_waits_for_the_next_step():
+    feeds = step_feeds([], [0, 1, 2], 4096)  # 512 + 512 + 8: 3 x 8, then 2 x 256, 2 x 248
+    assert len(split_of(feeds, 512, 1032)) == 3 and len(split_of(feeds, 8, 1032)) == 1
+    assert even_chunks(feeds, 0, budget=1032, chunk=512, cost=cost(1024)) == (512, 1024)  # 2 x 512 in two
+
+
+def test_whole_chunks_and_single_chunks_are_left_as_they_are():
+    short = step_feeds([0], [1, 2, 3], 100)  # every prompt ends inside the budget
+    assert even_chunks(short, 1, budget=2048, chunk=512, cost=cost(0)) == (512, 2048)
+    one = step_feeds([0, 1], [2], 4096)  # one prompt chunk: nothing to even it with
+    assert even_chunks(one, 2, budget=64, chunk=512, cost=cost(0)) == (512, 64)
+
+
+def test_evened_steps_give_every_request_a_fresh_contexts_tokens(tiny_model, monkeypatch):
+    """A short prompt beside three long ones in consecutive slots, 48 tokens a step in chunks of 16: the short one's
+    decode row cuts the last chunk short, so steps are evened (seen through a wrapper of even_chunks); every output
+    equals a fresh context's and llama.cpp's memory holds what the engine's mirror says."""
+    from kvrt.runtime import step_layout
+
+    chosen: list[tuple[tuple[int, int], tuple[int, int]]] = []
+
+    def watched(feeds, decoding, *, budget, chunk, cost):
+        choice = even_chunks(feeds, decoding, budget=budget, chunk=chunk, cost=cost)
+        chosen.append(((chunk, budget), choice))
+        return choice
+
+    monkeypatch.setattr(step_layout, "even_chunks", watched)
+    prompts = [tiny_model.tokenize("a short one")] + [tiny_model.tokenize(f"prompt {i} " + "goes on and on " * 12)
+                                                       for i in range(3)]
+    with engine(tiny_model, n_seq_max=4, n_batch=48, prefill_chunk=16, kv_layout="split") as eng:
+        streams = [eng.submit(Request(p, greedy(n))) for p, n in zip(prompts, (40, 6, 6, 6))]
+        outputs = [s.result(60.0).choices[0].tokens for s in streams]
+        for slot in range(4):
+            assert eng.ctx.seq_pos_max(slot) == eng.cache.held(slot) - 1
+    assert any(given != choice for given, choice in chosen)  # some steps were laid out evened
+    assert outputs == [alone(tiny_model, p, greedy(n)) for p, n in zip(prompts, (40, 6, 6, 6))]
