@@ -41,8 +41,8 @@ from pathlib import Path
 from kvrt.accounting.devices import DeviceCharge
 from kvrt.accounting.estimate import context_estimate
 from kvrt.accounting.ledger import Reservation, VramLedger
-from kvrt.checks import prompt_tokens
 from kvrt.engine.generation import GenerationParams
+from kvrt.engine.prompt import prompt_tokens
 from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import InvalidArgument
 from kvrt.runtime.admission import EngineConfig

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from kvrt.accounting.estimate import DeviceMeter
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
-from kvrt.engine.context import ContextParams
+from kvrt.engine.context_params import ContextParams
 from kvrt.serve.agent import Agent
 from kvrt.serve.registry import LoadedModel
 from kvrt.state.agent_context import AgentContext

@@ -36,8 +36,8 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from kvrt.accounting.ledger import VramLedger
-from kvrt.checks import prompt_tokens
 from kvrt.engine.generation import GenerationParams, generate
+from kvrt.engine.prompt import prompt_tokens
 from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import InvalidArgument
 from kvrt.serve.agent import Agent, ContextPolicy

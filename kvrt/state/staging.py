@@ -38,7 +38,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import Reservation, VramLedger
 from kvrt.checks import check_int, shown
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.model import Model
 from kvrt.errors import InvalidArgument
 from kvrt.state.hostpool import HostPool, default_pool
