@@ -153,7 +153,7 @@ class BatchedScheduler(AgentService[BatchedAgent]):
         self.state_problems: list[StateProblem] = []
         self.state_restored = 0
         if self.store is not None:
-            restore_all(self)
+            self.state_restored, self.state_problems = restore_all(self)
 
     # -- agents -------------------------------------------------------------------------
     def register(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int = 4096, *,

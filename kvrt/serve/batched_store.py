@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from kvrt.errors import KvrtError
 from kvrt.serve.statedir import check_model, record_policy, restore_each
-from kvrt.state.agentstore import AgentRecord
+from kvrt.state.agentstore import AgentRecord, StateProblem
 
 if TYPE_CHECKING:
     from kvrt.serve.batched import BatchedAgent, BatchedScheduler
@@ -63,9 +63,12 @@ def forget(sched: BatchedScheduler, agent: BatchedAgent) -> None:
             sched.store.remove(agent.agent_id)
 
 
-def restore_all(sched: BatchedScheduler) -> None:
-    """Register every agent saved in the state dir again, with its transcript; each one that cannot is a problem."""
-    restore_each(sched, lambda record: _restore(sched, record))
+def restore_all(sched: BatchedScheduler) -> tuple[int, list[StateProblem]]:
+    """Register every agent saved in the state dir again, with its transcript: how many came back, and a problem
+    for each one that could not."""
+    store = sched.store
+    assert store is not None
+    return restore_each(store, lambda record: _restore(sched, record))
 
 
 def _restore(sched: BatchedScheduler, record: AgentRecord) -> None:
