@@ -21,7 +21,8 @@ import os
 
 import numpy as np
 import pytest
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import prefill
 from kvrt.runtime.host_tier import HostArena, HostEntry, HostTier, numpy_memory, piece_size
 from kvrt.engine.model import Model

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from kvrt_bench.fanout import fox_document
 
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import prefill
 from kvrt.engine.model import Model
 from kvrt.state.contextpool import ContextPool

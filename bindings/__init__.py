@@ -5,16 +5,16 @@ above this package goes through :mod:`kvrt.engine.model` and :mod:`kvrt.engine.c
 the handles and turn every NULL and error code into a :class:`kvrt.errors.KvrtError`.
 """
 
+from kvrt.bindings._ffi import ffi
 from kvrt.bindings._loader import (
     LIB_DIR_ENV,
     TESTED_LLAMA_CPP_PYTHON,
-    ffi,
     ggml,
+    install_logging,
     library_dir,
 )
 from kvrt.bindings._loader import llama as lib
 from kvrt.bindings._log import capture, explain
-from kvrt.bindings._log import install as install_logging
 
 STATE_SEQ_FLAGS_NONE = 0
 STATE_SEQ_FLAGS_PARTIAL_ONLY = 1

@@ -16,16 +16,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-import cffi
-from kvrt.bindings._cdef import CDEF, GGML_CDEF
+from kvrt.bindings._ffi import ffi
+from kvrt.bindings._log import install
 from kvrt.errors import LibraryError
 
 LIB_DIR_ENV = "KVRT_LLAMA_LIB_DIR"
 TESTED_LLAMA_CPP_PYTHON = "0.3.36"
-
-ffi = cffi.FFI()
-ffi.cdef(CDEF)
-ffi.cdef(GGML_CDEF)
 
 _init_lock = threading.Lock()
 
@@ -116,8 +112,6 @@ def _initialised() -> tuple[Any, Any]:
     The log hook goes first because the backend registry logs when it is first touched (a CUDA
     build names its devices), and that would otherwise reach stderr past kvrt's logger.
     """
-    from kvrt.bindings._log import install  # the hook module needs this one: imported here, not at the top
-
     with _init_lock:
         lib, ggml_lib, numpy_first = _open()
         install(lib)
@@ -130,3 +124,8 @@ def _initialised() -> tuple[Any, Any]:
                 stacklevel=3,
             )
         return lib, ggml_lib
+
+
+def install_logging() -> None:
+    """Send llama.cpp's logging through Python's (:func:`kvrt.bindings._log.install`), opening the libraries first."""
+    install(llama())

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvrt.bindings._loader import ffi, llama
+from kvrt.bindings._ffi import ffi
 
 logger = logging.getLogger("kvrt.llama")
 
@@ -76,23 +76,28 @@ class _Hook:
 _hook: _Hook | None = None
 
 
-def install(lib: Any = None) -> None:
+def install(lib: Any) -> None:
     """Send llama.cpp's logging through :data:`logger`, keeping the callback installed before.
 
-    ``lib``: the opened libllama, for the loader's call before its initialisation is done.
+    ``lib``: the opened libllama (the loader installs the hook as it opens it, before any call that logs).
     """
     global _hook
     if _hook is None:
         with _install_lock:
             if _hook is None:
-                _hook = _Hook(lib if lib is not None else llama())
+                _hook = _Hook(lib)
     _hook.ensure_installed()
 
 
 @contextmanager
 def capture() -> Iterator[list[str]]:
-    """Collect llama.cpp's warning and error lines logged by this thread meanwhile."""
-    install()
+    """Collect llama.cpp's warning and error lines logged by this thread meanwhile.
+
+    The hook is installed again first if something replaced it; before the libraries are open
+    there is none yet, and the loader installs it as it opens them.
+    """
+    if _hook is not None:
+        _hook.ensure_installed()
     previous = getattr(_local, "sink", None)
     lines: list[str] = []
     _local.sink = lines

@@ -26,7 +26,8 @@ from kvrt.branching.branches import Branch, fanout  # noqa: E402  (after the lib
 from kvrt.branching.pipeline import Pipeline  # noqa: E402
 from kvrt.engine.batch import Batch  # noqa: E402
 from kvrt.engine.chat import ChatMessage, apply_chat_template  # noqa: E402
-from kvrt.engine.context import Context, ContextParams  # noqa: E402
+from kvrt.engine.context import Context  # noqa: E402
+from kvrt.engine.context_params import ContextParams  # noqa: E402
 from kvrt.engine.generation import Completion, GenerationParams, generate, prefill  # noqa: E402
 from kvrt.engine.model import Model, ModelFingerprint, ModelParams  # noqa: E402
 from kvrt.engine.sampling import Sampler, SamplingParams  # noqa: E402

@@ -13,14 +13,10 @@ import math
 import numbers
 import operator
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvrt.errors import InvalidArgument, KvrtError
-
-if TYPE_CHECKING:
-    from kvrt.engine.model import Model
 
 _SHOWN = 60
 INT32_MAX = 2**31 - 1  # llama.cpp's positions, token counts and most sizes are int32
@@ -102,17 +98,3 @@ def check_tokens(value: object, what: str, n_vocab: int, *, expected: str = "a s
         i, bad = next((i, t) for i, t in enumerate(tokens) if not 0 <= t < n_vocab)
         raise error(f"{what}[{i}] = {bad} is outside the vocabulary [0, {n_vocab})")
     return tokens
-
-
-def prompt_tokens(model: Model, prompt: object, what: str, *, add_special: bool,
-                  error: type[KvrtError] = InvalidArgument) -> list[int]:
-    """The token ids of ``prompt``: text (tokenized, BOS per ``add_special``) or token ids; never empty.
-
-    Bytes are refused as text (they are not token ids, though they iterate as ints).
-    """
-    if isinstance(prompt, (str, bytes, bytearray, memoryview)):
-        tokens = model.tokenize(check_text(prompt, what, error=error), add_special=add_special)
-        if not tokens:
-            raise error(f"{what} {shown(prompt)} has no tokens")
-        return tokens
-    return check_tokens(prompt, what, model.n_vocab, expected="text (str) or a sequence of token ids", error=error)

@@ -7,7 +7,7 @@ import pytest
 
 from kvrt.accounting.estimate import ModelShape
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
-from kvrt.engine.context import ContextParams
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import prefill
 from kvrt.engine.model import Model
 from kvrt.state.agent_context import AgentContext

@@ -12,7 +12,8 @@ import pytest
 from test_batching import engine, greedy
 
 from kvrt.engine.batch import Batch
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import DecodeError, KvrtError

@@ -50,7 +50,8 @@ def test_swap_round_trip_is_exact_and_the_peer_picks_kvrts_next_token(tiny_model
     from kvrt_bench._peer import LlamaPeer
 
     from kvrt.engine.batch import Batch
-    from kvrt.engine.context import Context, ContextParams
+    from kvrt.engine.context import Context
+    from kvrt.engine.context_params import ContextParams
     from kvrt.engine.generation import prefill
     from kvrt.state.hostpool import HostPool
 

@@ -173,7 +173,7 @@ def test_use_after_free(tiny_model: Model) -> None:
 
 
 def test_invalid_parameters_are_refused_before_llama_cpp() -> None:
-    from kvrt.engine.context import ContextParams
+    from kvrt.engine.context_params import ContextParams
 
     with pytest.raises(KvrtError, match="n_ctx"):
         ContextParams(n_ctx=0)

@@ -172,6 +172,7 @@ def test_the_real_probe_child_decodes_and_compares_on_this_machine() -> None:
 def test_use_extra_bufts_reaches_llama_cpp(tmp_path: Path) -> None:
     """llama.cpp's load log names the extra buffer type only when the flag is on (a fresh process, so no
     ``llama_cpp.Llama`` elsewhere in the test session has taken over llama.cpp's log callback)."""
+    from kvrt.modelfiles.cpu_probe import PROBE_PRESET
     from kvrt.modelfiles.testmodels import write_model
 
     names = cpu.cpu_info().extra_buffer_types
@@ -183,7 +184,7 @@ def test_use_extra_bufts_reaches_llama_cpp(tmp_path: Path) -> None:
     if llama_gpu_devices():
         pytest.skip("llama.cpp has a GPU here: its host buffer type comes before the CPU's extra buffer types in the "
                     "list for weights kept on the CPU (llama-model.cpp make_cpu_buft_list), so they are never picked")
-    path = write_model(tmp_path / "q4.gguf", cpu.PROBE_PRESET)
+    path = write_model(tmp_path / "q4.gguf", PROBE_PRESET)
     code = ("import logging, sys; from kvrt.engine.model import Model; lines = []\n"
             "class Keep(logging.Handler):\n    def emit(self, record): lines.append(record.getMessage())\n"
             "log = logging.getLogger('kvrt.llama'); log.addHandler(Keep()); log.setLevel(logging.INFO)\n"

@@ -168,7 +168,8 @@ def test_layout_configuration_is_checked_before_anything_is_allocated(tiny_model
 
 
 def test_a_partial_copy_between_streams_is_refused_before_llama_cpp_asserts(tiny_model):
-    from kvrt.engine.context import Context, ContextParams
+    from kvrt.engine.context import Context
+    from kvrt.engine.context_params import ContextParams
 
     with Context(tiny_model, ContextParams(n_ctx=512, n_seq_max=2, kv_unified=False)) as ctx:
         with pytest.raises(KvrtError, match="copies whole sequences only"):

@@ -11,7 +11,8 @@ from _reference import KERNEL_NOISE
 
 from kvrt.branching.branches import Branch, FanoutError, branch_budget, fanout, shared_params
 from kvrt.engine.batch import Batch
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import GenerationParams, generate, prefill
 from kvrt.engine.model import Model
 from kvrt.engine.sampling import SamplingParams

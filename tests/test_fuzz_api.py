@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from kvrt.accounting.ledger import VramLedger
 from kvrt.branching.branches import Branch, fanout
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import GenerationParams, generate, prefill
 from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import KvrtError

@@ -10,7 +10,8 @@ import pytest
 from test_daemon import N_CTX
 from test_hostile_state import service
 
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import GenerationParams, generate
 from kvrt.engine.model import Model
 from kvrt.errors import KvrtError

@@ -97,7 +97,7 @@ def test_check_helpers_name_the_argument_and_the_value():
     ({"params": {"n_ctx": 256}}, "ContextParams"), ({"max_idle": -1}, "max_idle"), ({"max_idle": 1.5}, "max_idle"),
 ], ids=repr)
 def test_a_context_pool_checks_its_settings(tiny_model, kwargs, reason):
-    from kvrt.engine.context import ContextParams
+    from kvrt.engine.context_params import ContextParams
     from kvrt.state.contextpool import ContextPool
 
     with pytest.raises(InvalidArgument, match=reason):

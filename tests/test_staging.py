@@ -19,7 +19,8 @@ import pytest
 
 from kvrt.accounting.ledger import VramLedger
 from kvrt.engine.batch import Batch
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import prefill
 from kvrt.engine.model import Model
 from kvrt.errors import InvalidArgument, KvrtError

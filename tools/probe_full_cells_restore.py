@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import kvrt  # noqa: F401
 from kvrt.bindings import ffi, lib
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import GenerationParams, generate, prefill
 from kvrt.engine.model import Model
 from kvrt.modelfiles.demo_model import demo_model_path, license_terms_text

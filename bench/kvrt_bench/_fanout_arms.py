@@ -59,7 +59,7 @@ from kvrt.branching.branches import (
     shared_params,
 )
 from kvrt.engine.batch import Batch
-from kvrt.engine.context import ContextParams
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import GenerationParams, prefill
 from kvrt.engine.model import Model
 from kvrt.state.contextpool import ContextPool

@@ -8,7 +8,8 @@ import argparse
 import time
 from dataclasses import dataclass, field
 
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import GenerationParams, generate, prefill
 from kvrt.engine.model import Model
 from kvrt.errors import KvrtError

@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 from kvrt.engine.batch import Batch
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import prefill
 from kvrt.engine.model import Model
 from kvrt.state.hostpool import HostPool

@@ -14,7 +14,8 @@ from typing import Any
 
 from kvrt.accounting.estimate import DeviceMeter, ModelShape, context_estimate
 from kvrt.accounting.ledger import VramLedger
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import GenerationParams, generate
 from kvrt.engine.model import Model
 from kvrt.serve.results import percentiles

@@ -37,7 +37,8 @@ import numpy as np
 from kvrt.accounting.estimate import DeviceMeter, ModelShape, context_estimate
 from kvrt.accounting.ledger import LedgerDenied, NvmlProbe, VramLedger
 from kvrt.engine.batch import Batch
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import prefill
 from kvrt.engine.model import Model
 from kvrt.errors import KvrtError

@@ -45,7 +45,8 @@ from typing import Any
 import numpy as np
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import LedgerDenied, Reservation, VramLedger
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import Completion, GenerationParams, generate
 from kvrt.engine.model import Model
 from kvrt.memory.elastic_context import ElasticContext

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from kvrt.accounting.ledger import VramLedger
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import prefill
 from kvrt.engine.model import Model
 from kvrt.errors import KvrtError

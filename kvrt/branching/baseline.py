@@ -10,7 +10,8 @@ import time
 from dataclasses import dataclass
 
 from kvrt.branching.branches import Branch
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import generate, prefill
 from kvrt.engine.model import Model
 

@@ -91,11 +91,13 @@ from kvrt.bindings import FLASH_ATTN
 from kvrt.branching.branch import Branch, BranchResult, FanoutError, branch_budget
 from kvrt.branching.modes import FORKS, MODES, Fork, Mode, choose_mode, isolated_params, shared_params
 from kvrt.branching.runner import run_branches, run_isolated
-from kvrt.checks import INT32_MAX, check_int, prompt_tokens, shown
+from kvrt.checks import INT32_MAX, check_int, shown
 from kvrt.engine.batch import Batch
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import ProgressFn, prefill
 from kvrt.engine.model import Model
+from kvrt.engine.prompt import prompt_tokens
 from kvrt.state.contextpool import ContextPool
 from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import Snapshot

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Literal, get_args
 
 from kvrt.branching.branch import FanoutError
-from kvrt.engine.context import ContextParams
+from kvrt.engine.context_params import ContextParams
 from kvrt.state.contextpool import ContextPool
 
 Mode = Literal["auto", "isolated", "shared"]

@@ -56,10 +56,11 @@ from kvrt.branching.pipeline_nodes import (
     PipelineResult,
 )
 from kvrt.branching.runner import run_isolated
-from kvrt.checks import INT32_MAX, check_int, prompt_tokens, shown
-from kvrt.engine.context import ContextParams
+from kvrt.checks import INT32_MAX, check_int, shown
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import GenerationParams, prefill
 from kvrt.engine.model import Model
+from kvrt.engine.prompt import prompt_tokens
 from kvrt.state.contextpool import ContextPool
 from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import Snapshot

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from kvrt.branching.baseline import run_baseline
     from kvrt.branching.branches import Branch
     from kvrt.branching.pipeline import Pipeline
-    from kvrt.engine.context import ContextParams
+    from kvrt.engine.context_params import ContextParams
     from kvrt.engine.generation import GenerationParams
     from kvrt.engine.model import Model
     from kvrt.modelfiles.demo_model import demo_model_path

@@ -8,11 +8,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvrt.checks import INT32_MAX, check_int, check_text, prompt_tokens, shown
+from kvrt.checks import INT32_MAX, check_int, check_text, shown
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.decode_step import Feed, step
 from kvrt.engine.model import Model
+from kvrt.engine.prompt import prompt_tokens
 from kvrt.engine.sampling import Sampler, SamplingParams
 from kvrt.errors import InvalidArgument, KvrtError
 

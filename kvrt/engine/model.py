@@ -15,15 +15,13 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from kvrt._handle import NativeHandle, OwnsHandle
 from kvrt.bindings import capture, explain, ffi, lib
 from kvrt.engine.file_digest import FileDigest
 from kvrt.errors import KvrtError, ModelLoadError
-
-if TYPE_CHECKING:
-    from kvrt.engine.context import Context
+from kvrt.system.cpu import safe_extra_bufts
 
 GGUF_MAGIC = b"GGUF"
 
@@ -112,8 +110,6 @@ class ModelParams:
         """These parameters with ``use_extra_bufts`` decided (the probe runs at most once per machine)."""
         if self.use_extra_bufts is not None:
             return self
-        from kvrt.system.cpu import safe_extra_bufts
-
         return replace(self, use_extra_bufts=safe_extra_bufts().use_extra_bufts)
 
     def to_c(self) -> tuple[Any, Any]:
@@ -192,7 +188,7 @@ class Model(OwnsHandle):
                 "llama_model_load_from_file", explain(lines, "llama.cpp could not load the model"), path=str(self.path)
             )
         self._handle = NativeHandle(ptr, lib().llama_model_free, f"model {self.path.name}")
-        self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        self._contexts: weakref.WeakSet[OwnsHandle] = weakref.WeakSet()
         self._fingerprint: ModelFingerprint | None = None
         self._digest = FileDigest(self.path)
 
@@ -210,7 +206,8 @@ class Model(OwnsHandle):
         return self
 
     # -- lifetime -------------------------------------------------------------------
-    def _adopt(self, context: Context) -> None:
+    def _adopt(self, context: OwnsHandle) -> None:
+        """Track a context made from this model (:class:`kvrt.engine.context.Context` calls it) for :meth:`close`."""
         self._contexts.add(context)
 
     def close(self) -> None:

@@ -34,7 +34,8 @@ from dataclasses import dataclass, replace
 
 from kvrt.accounting.estimate import ModelShape
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import Completion, GenerationParams, ProgressFn, generate, prefill
 from kvrt.engine.model import Model
 from kvrt.errors import KvrtError

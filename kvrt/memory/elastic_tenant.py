@@ -16,13 +16,22 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvrt.memory.elastic_supply import Charge, ElasticError, Page, PageSupply, Shortage
 from kvrt.memory.vmm import Fence
 
-if TYPE_CHECKING:
-    from kvrt.memory.elastic import ElasticPool
+
+class TenantPool(Protocol):
+    """What a tenant needs of its pool (:class:`kvrt.memory.elastic.ElasticPool`, which imports this module):
+    :meth:`Tenant.grow_to`, :meth:`Tenant.shrink_to` and :meth:`Tenant.close` go through the pool, which decides
+    under its lock and calls the tenant's side back."""
+
+    def grow(self, tenant: Tenant, nbytes: int) -> None: ...
+
+    def shrink(self, tenant: Tenant, nbytes: int, fence: Fence | None = None) -> None: ...
+
+    def remove_tenant(self, tenant: Tenant, fence: Fence | None = None) -> None: ...
 
 
 @dataclass(eq=False)
@@ -38,7 +47,7 @@ class Tenant:
     backs the first ``n`` bytes of every segment.
     """
 
-    def __init__(self, pool: ElasticPool, supply: PageSupply, name: str, segments: int, segment_bytes: int,
+    def __init__(self, pool: TenantPool, supply: PageSupply, name: str, segments: int, segment_bytes: int,
                  va: int, charge: Charge, map_ahead_stripes: int) -> None:
         self.pool = pool
         self.name = name

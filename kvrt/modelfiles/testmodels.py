@@ -50,7 +50,7 @@ PRESETS: dict[str, Shape] = {
     "llama3.2-1b": Shape(label="Llama-3.2-1B shape", n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192,
                          n_vocab=128256, n_ctx_train=131072, rope_freq_base=500000.0, dtype="f16"),
     # Q4_0 matrices whose sides are multiples of 32: eligible for llama.cpp's CPU extra buffer types
-    # (AMX, repacked weights), which :mod:`kvrt.system.cpu` probes with this preset.
+    # (AMX, repacked weights), which :mod:`kvrt.modelfiles.cpu_probe` probes with this preset.
     "probe-q4_0": Shape(label="extra buffer type probe", n_layer=1, n_embd=256, n_head=4, n_head_kv=4, n_ff=512,
                         n_vocab=512, n_ctx_train=4096, dtype="q4_0"),
     "probe-wide-vocab": Shape(label="host-overhead probe: Qwen2.5's vocabulary, almost no compute", n_layer=1,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvrt.engine.context import ContextParams
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import SequenceStream
 from kvrt.engine.model import Model
 from kvrt.engine.sampling import Sampler

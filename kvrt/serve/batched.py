@@ -35,20 +35,21 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvrt.accounting.devices import DeviceCharge
 from kvrt.accounting.estimate import context_estimate
 from kvrt.accounting.ledger import Reservation, VramLedger
-from kvrt.checks import prompt_tokens
 from kvrt.engine.generation import GenerationParams
+from kvrt.engine.prompt import prompt_tokens
 from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import InvalidArgument
 from kvrt.runtime.admission import EngineConfig
 from kvrt.runtime.batching import Engine
-from kvrt.runtime.requests import ChoiceEnd, EngineStats, Request, RequestEnd, RequestStream, TokenEvent
+from kvrt.runtime.requests import ChoiceEnd, EngineStats, Request, RequestEnd, TokenEvent
 from kvrt.serve.agent import ContextPolicy
+from kvrt.serve.batched_agent import BatchedAgent, BatchedPool, BatchedTurn
 from kvrt.serve.batched_store import forget, restore_all, save
 from kvrt.serve.registry import LoadedModel, ModelRegistry
 from kvrt.serve.results import (
@@ -93,50 +94,6 @@ class BatchConfig:
                             host_write_behind=self.host_write_behind)
 
 
-@dataclass
-class _Pool:
-    """One model's engine, its ledger charge and how many agents use it."""
-
-    entry: LoadedModel
-    engine: Engine
-    reservation: Reservation | DeviceCharge  # a DeviceCharge where the registry placed the model on a device set
-    agents: int = 0
-
-
-@dataclass
-class _Turn:
-    prompt: str | Sequence[int]
-    params: GenerationParams
-    deadline: float | None
-    on_text: TextFn | None
-    future: Future[DecodeResult] = field(default_factory=Future)
-    submitted: float = field(default_factory=time.perf_counter)
-    tokens: list[int] = field(default_factory=list)  # the prompt's tokens, once started
-    stream: RequestStream | None = None
-    end: ChoiceEnd | None = None
-    first_token: float | None = None
-    drained: threading.Lock = field(default_factory=threading.Lock)
-
-
-@dataclass
-class BatchedAgent:
-    """One agent of :class:`BatchedScheduler`: its model's pool, context policy, transcript (its KV is exactly
-    this, where the engine still holds it) and turns queued or running, one at a time."""
-
-    agent_id: str
-    pool: _Pool
-    policy: ContextPolicy
-    transcript: list[int] = field(default_factory=list)
-    keep: int | None = None
-    queue: deque[_Turn] = field(default_factory=deque)
-    running: _Turn | None = None
-    served_tokens: int = 0
-    requests: int = 0
-    version: int = 0  # bumped (under the scheduler's lock) whenever what a save writes changes
-    saved_version: int = -1  # the version the state dir holds (kvrt.serve.batched_store)
-    save_lock: threading.Lock = field(default_factory=threading.Lock)
-
-
 class BatchedScheduler(AgentService[BatchedAgent]):
     """Register agents on models and run their turns in continuous batches (see the module docstring)."""
 
@@ -146,7 +103,7 @@ class BatchedScheduler(AgentService[BatchedAgent]):
         self.registry = registry or ModelRegistry(ledger)
         self._owns_registry = registry is None
         self.config = config or BatchConfig()
-        self._pools: dict[Path, _Pool] = {}
+        self._pools: dict[Path, BatchedPool] = {}
         self._agents: dict[str, BatchedAgent] = {}
         self._lock = threading.RLock()
         self._history: deque[RequestMetrics] = deque(maxlen=HISTORY)
@@ -155,7 +112,7 @@ class BatchedScheduler(AgentService[BatchedAgent]):
         self.state_problems: list[StateProblem] = []
         self.state_restored = 0
         if self.store is not None:
-            restore_all(self)
+            self.state_restored, self.state_problems = restore_all(self)
 
     # -- agents -------------------------------------------------------------------------
     def register(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int = 4096, *,
@@ -186,7 +143,7 @@ class BatchedScheduler(AgentService[BatchedAgent]):
         return Registered(agent_id, entry.path.name, n_ctx, n_ctx, rules.mode, entry.reservation.nbytes,
                           pool.reservation.nbytes, entry.estimate_source)
 
-    def _pool(self, model_path: str | os.PathLike[str]) -> _Pool:
+    def _pool(self, model_path: str | os.PathLike[str]) -> BatchedPool:
         shape, _ = self.registry.peek(model_path)
         entry = self.registry.acquire(model_path)
         pool = self._pools.get(entry.path)
@@ -205,7 +162,7 @@ class BatchedScheduler(AgentService[BatchedAgent]):
             self._give_back(reservation)
             self.registry.release(entry)
             raise
-        pool = self._pools[entry.path] = _Pool(entry, engine, reservation)
+        pool = self._pools[entry.path] = BatchedPool(entry, engine, reservation)
         return pool
 
     def _charge(self, entry: LoadedModel, cells: int) -> Reservation | DeviceCharge:
@@ -242,7 +199,7 @@ class BatchedScheduler(AgentService[BatchedAgent]):
         if idle:
             self._close_pool(agent.pool)
 
-    def _close_pool(self, pool: _Pool) -> None:
+    def _close_pool(self, pool: BatchedPool) -> None:
         """Stop a pool's engine and free it (never under the lock: the engine's thread may be waiting for it)."""
         pool.engine.close()
         self._give_back(pool.reservation)
@@ -291,7 +248,7 @@ class BatchedScheduler(AgentService[BatchedAgent]):
         """Queue a turn; it starts when the agent's previous one ended. ``on_text`` gets each piece of
         text as it is sampled (on the engine's thread; it must not block or raise)."""
         params = GenerationParams(max_tokens=n_tokens, stop=tuple(stop), sampling=sampling or SamplingParams())
-        turn = _Turn(prompt, params, deadline, on_text)
+        turn = BatchedTurn(prompt, params, deadline, on_text)
         with self._lock:
             self._open()
             agent = self._agent(agent_id)
@@ -318,7 +275,7 @@ class BatchedScheduler(AgentService[BatchedAgent]):
             running.stream.cancel()
         return len(turns) + (running is not None)
 
-    def _start(self, agent: BatchedAgent) -> _Turn | None:
+    def _start(self, agent: BatchedAgent) -> BatchedTurn | None:
         """Send the agent's next queued turn to its engine (lock held); refusals end that turn and go on.
 
         Returns the turn started: the caller drains it once the lock is released (its first
@@ -339,7 +296,7 @@ class BatchedScheduler(AgentService[BatchedAgent]):
             return turn
         return None
 
-    def _request(self, agent: BatchedAgent, turn: _Turn) -> Request:
+    def _request(self, agent: BatchedAgent, turn: BatchedTurn) -> Request:
         """The engine request for ``turn``: transcript + prompt, after the agent's policy made room."""
         model = agent.pool.entry.model
         turn.tokens = prompt_tokens(model, turn.prompt, "prompt", add_special=not agent.transcript,
@@ -355,7 +312,7 @@ class BatchedScheduler(AgentService[BatchedAgent]):
         deadline = turn.deadline
         return Request(agent.transcript + turn.tokens, turn.params, deadline=deadline)
 
-    def _drain(self, agent: BatchedAgent, turn: _Turn | None) -> None:
+    def _drain(self, agent: BatchedAgent, turn: BatchedTurn | None) -> None:
         """Forward the turn's engine events (engine thread, or the starter right after the submit)."""
         if turn is None or turn.stream is None:
             return  # called before submit returned; the submitter drains next
@@ -372,7 +329,7 @@ class BatchedScheduler(AgentService[BatchedAgent]):
                 else:
                     self._finish(agent, turn, event)
 
-    def _finish(self, agent: BatchedAgent, turn: _Turn, end: RequestEnd) -> None:
+    def _finish(self, agent: BatchedAgent, turn: BatchedTurn, end: RequestEnd) -> None:
         """The turn is over: the history grows by the prompt and every sampled token; the next turn starts."""
         done = time.perf_counter()
         choice = turn.end

@@ -20,19 +20,41 @@ of an agent unregistered meanwhile writes nothing.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import os
+import threading
+from typing import Protocol
 
 from kvrt.errors import KvrtError
+from kvrt.serve.batched_agent import BatchedAgent
+from kvrt.serve.registry import ModelRegistry
+from kvrt.serve.results import Registered
 from kvrt.serve.statedir import check_model, record_policy, restore_each
-from kvrt.state.agentstore import AgentRecord
-
-if TYPE_CHECKING:
-    from kvrt.serve.batched import BatchedAgent, BatchedScheduler
+from kvrt.state.agentstore import AgentRecord, AgentStore, StateProblem
 
 log = logging.getLogger("kvrt.serve.batched_store")
 
 
-def save(sched: BatchedScheduler, agent: BatchedAgent) -> str | None:
+class BatchedView(Protocol):
+    """What saving and restoring use of :class:`kvrt.serve.batched.BatchedScheduler` (which imports this module):
+    its store and registry, its agents (changed only under ``_lock``) and its registration without the save."""
+
+    @property
+    def store(self) -> AgentStore | None: ...
+
+    @property
+    def registry(self) -> ModelRegistry: ...
+
+    @property
+    def _lock(self) -> threading.RLock: ...
+
+    @property
+    def _agents(self) -> dict[str, BatchedAgent]: ...
+
+    def _register(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int, *, policy: str,
+                  min_ctx: int | None, keep: int | None) -> Registered: ...
+
+
+def save(sched: BatchedView, agent: BatchedAgent) -> str | None:
     """Save ``agent``'s registration and transcript (no KV: ``n_tokens`` 0) unless the store has them already.
 
     Returns why they could not be saved (the store logged it and keeps it in ``unsaved``), or None.
@@ -56,19 +78,22 @@ def save(sched: BatchedScheduler, agent: BatchedAgent) -> str | None:
     return None
 
 
-def forget(sched: BatchedScheduler, agent: BatchedAgent) -> None:
+def forget(sched: BatchedView, agent: BatchedAgent) -> None:
     """Remove an unregistered agent's files (after it left ``sched._agents``: no save of it starts again)."""
     if sched.store is not None:
         with agent.save_lock:
             sched.store.remove(agent.agent_id)
 
 
-def restore_all(sched: BatchedScheduler) -> None:
-    """Register every agent saved in the state dir again, with its transcript; each one that cannot is a problem."""
-    restore_each(sched, lambda record: _restore(sched, record))
+def restore_all(sched: BatchedView) -> tuple[int, list[StateProblem]]:
+    """Register every agent saved in the state dir again, with its transcript: how many came back, and a problem
+    for each one that could not."""
+    store = sched.store
+    assert store is not None
+    return restore_each(store, lambda record: _restore(sched, record))
 
 
-def _restore(sched: BatchedScheduler, record: AgentRecord) -> None:
+def _restore(sched: BatchedView, record: AgentRecord) -> None:
     policy = record_policy(record)
     entry = sched.registry.acquire(record.model_path)  # checked before anything is registered; held meanwhile
     try:

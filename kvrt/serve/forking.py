@@ -11,18 +11,14 @@ prefill's KV is not bit-identical to the incrementally decoded one the source ho
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from kvrt.serve.agent import Agent
 from kvrt.serve.membership import check_feasible
 from kvrt.serve.residency import Switch
 from kvrt.serve.results import AgentExists, Forked
-
-if TYPE_CHECKING:
-    from kvrt.serve.scheduler import Scheduler
+from kvrt.serve.scheduler_view import SchedulerView
 
 
-def fork(sched: Scheduler, source_id: str, agent_id: str) -> Forked:
+def fork(sched: SchedulerView, source_id: str, agent_id: str) -> Forked:
     """Admit ``agent_id`` as a copy of ``source_id`` (worker thread); a refusal changes nothing."""
     source = sched._agent(source_id)
     if agent_id in sched._agents:

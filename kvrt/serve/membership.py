@@ -11,18 +11,15 @@ context and charge, its snapshot, its reference to the model.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from kvrt.accounting.estimate import context_estimate
 from kvrt.accounting.ledger import LedgerDenied
 from kvrt.serve.agent import Agent, ContextPolicy
 from kvrt.serve.results import AgentExists, SchedulerError
-
-if TYPE_CHECKING:
-    from kvrt.serve.scheduler import Scheduler
+from kvrt.serve.scheduler_view import SchedulerView
 
 
-def admit(sched: Scheduler, agent_id: str, model_path: str | os.PathLike[str], policy: ContextPolicy,
+def admit(sched: SchedulerView, agent_id: str, model_path: str | os.PathLike[str], policy: ContextPolicy,
           n_ctx: int) -> Agent:
     """A new agent holding a reference to its (loaded) model, not yet schedulable (:meth:`Scheduler.add`)."""
     if agent_id in sched._agents:
@@ -34,7 +31,7 @@ def admit(sched: Scheduler, agent_id: str, model_path: str | os.PathLike[str], p
     return Agent(agent_id, entry, policy, sched.residency.context_for(entry, agent_id, n_ctx))
 
 
-def check_feasible(sched: Scheduler, agent_id: str, request_bytes: int) -> None:
+def check_feasible(sched: SchedulerView, agent_id: str, request_bytes: int) -> None:
     """Refuse an agent that could never run: even with every context swapped out (and every staging
     context given back) ``request_bytes`` more do not fit."""
     snap = sched.ledger.snapshot()
@@ -45,7 +42,7 @@ def check_feasible(sched: Scheduler, agent_id: str, request_bytes: int) -> None:
                            request_bytes=request_bytes, external_bytes=snap.external_bytes)
 
 
-def teardown(sched: Scheduler, agent: Agent, error: SchedulerError) -> None:
+def teardown(sched: SchedulerView, agent: Agent, error: SchedulerError) -> None:
     """Free everything ``agent`` holds; its queued turns fail with ``error``."""
     while agent.queue:
         agent.queue.popleft().future.set_exception(error)

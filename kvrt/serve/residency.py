@@ -15,18 +15,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvrt.accounting.estimate import DeviceMeter
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
-from kvrt.engine.context import ContextParams
+from kvrt.engine.context_params import ContextParams
 from kvrt.serve.agent import Agent
 from kvrt.serve.registry import LoadedModel
 from kvrt.state.agent_context import AgentContext
 from kvrt.state.hostpool import HostPool
-
-if TYPE_CHECKING:
-    from kvrt.serve.prefetch import Prefetcher
 
 
 @dataclass
@@ -40,6 +37,18 @@ class Switch:
     in_bytes: int = 0
     in_ms: float = 0.0
     context_ms: float = 0.0
+
+
+class Prefetching(Protocol):
+    """What activation asks of the prefetcher (:class:`kvrt.serve.prefetch.Prefetcher`, which imports this module)."""
+
+    def take(self, agent: Agent, switch: Switch) -> bool:
+        """Make ``agent`` live in its staged context; False when it has none ready."""
+        ...
+
+    def reclaim(self, keep: Agent) -> bool:
+        """Give staging contexts back (all but ``keep``'s); True when a charge went back."""
+        ...
 
 
 class Residency:
@@ -62,7 +71,7 @@ class Residency:
         self.n_threads = n_threads
         self.flash_attn = flash_attn
         self.on_evict = on_evict
-        self.prefetcher: Prefetcher | None = None
+        self.prefetcher: Prefetching | None = None
 
     def context_for(self, entry: LoadedModel, agent_id: str, n_ctx: int) -> AgentContext:
         """A new agent's (not yet opened) context of ``n_ctx`` cells, charged to ``agent:<id>`` once opened."""

@@ -36,8 +36,8 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from kvrt.accounting.ledger import VramLedger
-from kvrt.checks import prompt_tokens
 from kvrt.engine.generation import GenerationParams, generate
+from kvrt.engine.prompt import prompt_tokens
 from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import InvalidArgument
 from kvrt.serve.agent import Agent, ContextPolicy
@@ -112,7 +112,7 @@ class Scheduler(AgentService[Agent]):
         self._worker = threading.Thread(target=self._run, name="kvrt-scheduler", daemon=True)
         self._worker.start()
         if self.store is not None:
-            self._call(lambda: restore_all(self))
+            self.state_restored, self.state_problems = self._call(lambda: restore_all(self))
 
     # -- public API (any thread) --------------------------------------------------------
     def register(self, agent_id: str, model_path: str | os.PathLike[str], n_ctx: int = 4096, *,

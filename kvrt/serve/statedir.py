@@ -14,23 +14,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 from kvrt.engine.model import Model
 from kvrt.errors import KvrtError
 from kvrt.serve.agent import Agent, ContextPolicy
 from kvrt.serve.membership import admit, teardown
 from kvrt.serve.results import UnknownAgent, check_agent_id
-from kvrt.state.agentstore import AgentRecord, AgentStoreError, StateFileError, StateProblem
-
-if TYPE_CHECKING:
-    from kvrt.serve.scheduler import Scheduler
-    from kvrt.serve.service import AgentService
+from kvrt.serve.scheduler_view import SchedulerView
+from kvrt.state.agentstore import AgentRecord, AgentStore, AgentStoreError, StateFileError, StateProblem
 
 log = logging.getLogger("kvrt.serve.statedir")
 
 
-def persist(sched: Scheduler, agent: Agent) -> str | None:
+def persist(sched: SchedulerView, agent: Agent) -> str | None:
     """Save ``agent``'s current state unless the store already has it (worker thread).
 
     Returns why it could not be saved (the store logged it and keeps it in ``unsaved``), or None.
@@ -55,7 +51,7 @@ def persist(sched: Scheduler, agent: Agent) -> str | None:
     return None
 
 
-def persist_new(sched: Scheduler, agent: Agent) -> None:
+def persist_new(sched: SchedulerView, agent: Agent) -> None:
     """Save a just-admitted agent (registered or forked); when that fails it is removed again and the
     :class:`AgentStoreError` raised: an agent the state dir does not hold is never admitted with OK."""
     error = persist(sched, agent)
@@ -68,32 +64,35 @@ def persist_new(sched: Scheduler, agent: Agent) -> None:
         raise AgentStoreError(error)
 
 
-def restore_all(sched: Scheduler) -> None:
-    """Bring back every agent saved in the state dir (worker thread); each one that cannot be is a problem."""
-    restore_each(sched, lambda record: _restore(sched, record))
-
-
-def restore_each(sched: AgentService[Any], restore: Callable[[AgentRecord], None]) -> None:
-    """``restore`` every record of ``sched.store``; count what came back in ``sched.state_restored`` and list
-    each record that could not (unreadable, or ``restore`` raised) in ``sched.state_problems``."""
+def restore_all(sched: SchedulerView) -> tuple[int, list[StateProblem]]:
+    """Bring back every agent saved in the state dir (worker thread): how many came back, and a problem for each
+    one that could not."""
     store = sched.store
     assert store is not None
+    return restore_each(store, lambda record: _restore(sched, record))
+
+
+def restore_each(store: AgentStore, restore: Callable[[AgentRecord], None]) -> tuple[int, list[StateProblem]]:
+    """``restore`` every record of ``store``: how many came back, and each record that could not (unreadable, or
+    ``restore`` raised) as a :class:`StateProblem`, logged (what an agent service reports as ``state_restored``
+    and ``state_problems``)."""
     records, problems = store.load()
+    restored = 0
     for record in records:
         try:
             restore(record)
         except (KvrtError, OSError) as exc:
             problems.append(StateProblem(record.agent_id, getattr(exc, "file", record.manifest_name), str(exc)))
         else:
-            sched.state_restored += 1
+            restored += 1
     for problem in problems:
         log.warning("saved agent %r not restored (%s): %s", problem.agent_id, problem.file, problem.reason)
-    sched.state_problems = problems
     if problems:
-        log.warning("restored %d agent(s) from %s; NOT restored: %d (%s)", sched.state_restored, store.directory,
+        log.warning("restored %d agent(s) from %s; NOT restored: %d (%s)", restored, store.directory,
                     len(problems), ", ".join(sorted({p.agent_id for p in problems})))
     else:
-        log.info("restored %d agent(s) from %s, every saved agent", sched.state_restored, store.directory)
+        log.info("restored %d agent(s) from %s, every saved agent", restored, store.directory)
+    return restored, problems
 
 
 def record_policy(record: AgentRecord) -> ContextPolicy:
@@ -114,7 +113,7 @@ def check_model(record: AgentRecord, model: Model) -> None:
                                                    f"{record.agent_id!r} was saved with: {mismatch}")
 
 
-def _restore(sched: Scheduler, record: AgentRecord) -> None:
+def _restore(sched: SchedulerView, record: AgentRecord) -> None:
     """One saved agent back in, swapped out (its KV in host memory); nothing is kept when any check fails."""
     store = sched.store
     assert store is not None

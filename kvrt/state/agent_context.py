@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import VramLedger
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.model import Model
 from kvrt.state.hostpool import HostPool
 from kvrt.state.sized_context import ChargedContext

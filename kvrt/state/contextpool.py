@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvrt.checks import check_int, shown
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.model import Model
 from kvrt.errors import InvalidArgument
 

@@ -31,7 +31,8 @@ import numpy as np
 
 from kvrt.bindings import capture, explain, ffi, lib
 from kvrt.checks import shown
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.model import Model
 from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import Snapshot, SnapshotError, token_hash

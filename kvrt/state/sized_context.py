@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass
 
 from kvrt.accounting.ledger import Reservation, VramLedger
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.model import Model
 
 CTX_PAD = 256  # llama.cpp rounds n_ctx up to a multiple of this, so sizes are multiples of it

@@ -33,12 +33,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import Reservation, VramLedger
 from kvrt.checks import check_int, shown
-from kvrt.engine.context import Context, ContextParams
+from kvrt.engine.context import Context
+from kvrt.engine.context_params import ContextParams
 from kvrt.engine.model import Model
 from kvrt.errors import InvalidArgument
 from kvrt.state.hostpool import HostPool, default_pool
@@ -47,7 +48,6 @@ from kvrt.state.staging_records import (
     ActivationRecord,
     PendingSnapshot,
     PrefetchCancelled,
-    PrefetchHandle,
     StagerStats,
     StagingError,
     StagingFull,
@@ -61,6 +61,50 @@ __all__ = ["ActivationRecord", "KVStager", "PendingSnapshot", "PrefetchCancelled
 
 def _ms_since(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
+
+
+class PrefetchHandle:
+    """One prefetch: give it to :meth:`KVStager.activate` once, or :meth:`cancel` it.
+
+    Invariant: between :meth:`KVStager.prefetch` and activation or cancellation the handle
+    owns one staging context; nobody else reads or writes that context meanwhile. Only its
+    stager sets its slot, copy job and flags (under the stager's lock).
+    """
+
+    def __init__(self, stager: KVStager, source: Snapshot | PendingSnapshot) -> None:
+        self._stager = stager
+        self.source = source
+        self._slot: Slot[PrefetchHandle] | None = None  # the staging context it owns, set by prefetch
+        self._future: Future[ActivationRecord] | None = None
+        self._cancelled = threading.Event()  # set under the stager's lock
+        self.activated = False
+        self.record: ActivationRecord | None = None  # set by activate
+
+    @property
+    def stager(self) -> KVStager:
+        return self._stager
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def ready(self) -> bool:
+        """Whether the staged state is in its context now (activation would not wait)."""
+        return self._future is not None and self._future.done() and self._future.exception() is None
+
+    def settle(self) -> None:
+        """Wait until the copy job is over (done, failed or cancelled): its source is no longer read."""
+        if self._future is not None:
+            wait([self._future])
+
+    def cancel(self) -> bool:
+        """Give the staging context back (after the copy, if one is running); False if already activated."""
+        return self._stager._cancel(self)
+
+    def __repr__(self) -> str:
+        state = ("activated" if self.activated else "cancelled" if self.cancelled
+                 else "ready" if self.ready() else "staging")
+        return f"PrefetchHandle({state})"
 
 
 class KVStager:
@@ -101,8 +145,8 @@ class KVStager:
         self.host_pool = host_pool or default_pool()
         self.name = name
         self._lock = threading.Lock()
-        self._table = SlotTable(ledger, self.max_contexts, self.context_bytes, name)
-        self._active: dict[int, Slot] = {}  # id(ctx) -> slot, for the contexts the caller holds
+        self._table: SlotTable[PrefetchHandle] = SlotTable(ledger, self.max_contexts, self.context_bytes, name)
+        self._active: dict[int, Slot[PrefetchHandle]] = {}  # id(ctx) -> slot, for the contexts the caller holds
         self._closed = False
         self._copy_in = ThreadPoolExecutor(1, thread_name_prefix=f"kvrt-{name}-in")
         self._copy_out = ThreadPoolExecutor(1, thread_name_prefix=f"kvrt-{name}-out")
@@ -164,7 +208,8 @@ class KVStager:
             handle._future = self._copy_in.submit(self._stage, handle, slot, after)
         return handle
 
-    def _stage(self, handle: PrefetchHandle, slot: Slot, after: PendingSnapshot | None) -> ActivationRecord:
+    def _stage(self, handle: PrefetchHandle, slot: Slot[PrefetchHandle],
+               after: PendingSnapshot | None) -> ActivationRecord:
         """Copy-in thread: restore ``handle``'s state into ``slot`` (owned once its drain, if any, is over)."""
         t0 = time.perf_counter()
         if after is not None:
@@ -271,7 +316,8 @@ class KVStager:
             self._copy_out.submit(self._drain, slot, future, tokens)
             return pending
 
-    def _drain(self, slot: Slot, future: Future[tuple[Snapshot, SwapOutRecord]], tokens: Sequence[int] | None) -> None:
+    def _drain(self, slot: Slot[PrefetchHandle], future: Future[tuple[Snapshot, SwapOutRecord]],
+               tokens: Sequence[int] | None) -> None:
         """Copy-out thread: capture ``slot``'s agent; free the slot (or hand it to the prefetch behind it)."""
         assert slot.ctx is not None
         t0 = time.perf_counter()

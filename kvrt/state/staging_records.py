@@ -1,25 +1,18 @@
-"""What the KV stager (:mod:`kvrt.state.staging`) hands out and reports: errors, handles, timing records.
+"""What the KV stager (:mod:`kvrt.state.staging`) hands out and reports: errors, pending captures, timing records.
 
-A :class:`PrefetchHandle` stands for one agent's state being restored into a staging
-context on the copy-in thread; a :class:`PendingSnapshot` for one agent's state being
-captured out of its context on the copy-out thread. Both wrap a
-:class:`concurrent.futures.Future` that the stager's threads complete; neither touches a
-context itself.
+A :class:`PendingSnapshot` stands for one agent's state being captured out of its context
+on the copy-out thread: it wraps a :class:`concurrent.futures.Future` that the thread
+completes and never touches a context itself. (A prefetch's handle, which owns a staging
+context, is :class:`kvrt.state.staging.PrefetchHandle`.)
 """
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvrt.errors import KvrtError
 from kvrt.state.snapshot import Snapshot
-
-if TYPE_CHECKING:
-    from kvrt.state.staging import KVStager
-    from kvrt.state.staging_slots import Slot
 
 
 class StagingError(KvrtError):
@@ -123,46 +116,3 @@ class PendingSnapshot:
     def _wait(self) -> None:
         """Wait for the capture without taking its result (a prefetch queued behind this drain)."""
         self._future.exception()
-
-
-class PrefetchHandle:
-    """One prefetch: give it to :meth:`KVStager.activate` once, or :meth:`cancel` it.
-
-    Invariant: between :meth:`KVStager.prefetch` and activation or cancellation the handle
-    owns one staging context; nobody else reads or writes that context meanwhile.
-    """
-
-    def __init__(self, stager: KVStager, source: Snapshot | PendingSnapshot) -> None:
-        self._stager = stager
-        self.source = source
-        self._slot: Slot | None = None  # the staging context it owns, set by prefetch
-        self._future: Future[ActivationRecord] | None = None
-        self._cancelled = threading.Event()  # set under the stager's lock
-        self.activated = False
-        self.record: ActivationRecord | None = None  # set by activate
-
-    @property
-    def stager(self) -> KVStager:
-        return self._stager
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
-    def ready(self) -> bool:
-        """Whether the staged state is in its context now (activation would not wait)."""
-        return self._future is not None and self._future.done() and self._future.exception() is None
-
-    def settle(self) -> None:
-        """Wait until the copy job is over (done, failed or cancelled): its source is no longer read."""
-        if self._future is not None:
-            wait([self._future])
-
-    def cancel(self) -> bool:
-        """Give the staging context back (after the copy, if one is running); False if already activated."""
-        return self._stager._cancel(self)
-
-    def __repr__(self) -> str:
-        state = ("activated" if self.activated else "cancelled" if self.cancelled
-                 else "ready" if self.ready() else "staging")
-        return f"PrefetchHandle({state})"

@@ -11,9 +11,10 @@ stages) and its ledger reservation. Its state says who may touch the context:
 ``draining``  the copy-out thread, capturing the agent; ``next`` is a prefetch that takes the
               context over when the capture is done.
 
-A slot may also come from outside (:meth:`SlotTable.adopt`, a caller's context and its
-charge) and leave with its context and charge (:meth:`SlotTable.detach`); free slots are
-closed on :meth:`SlotTable.trim`.
+A slot is held for a prefetch through its handle (``H``: :class:`kvrt.state.staging.PrefetchHandle`),
+which the table only stores (it never looks into one). A slot may also come from outside
+(:meth:`SlotTable.adopt`, a caller's context and its charge) and leave with its context and
+charge (:meth:`SlotTable.detach`); free slots are closed on :meth:`SlotTable.trim`.
 
 The table is not locked itself: every method runs under its stager's lock.
 """
@@ -23,11 +24,14 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
+from typing import Generic, TypeVar
 
 from kvrt.accounting.ledger import Reservation, VramLedger
 from kvrt.engine.context import Context
 from kvrt.errors import KvrtError
-from kvrt.state.staging_records import PendingSnapshot, PrefetchHandle, StagingFull
+from kvrt.state.staging_records import PendingSnapshot, StagingFull
+
+H = TypeVar("H")  # the prefetch handle that holds a slot
 
 
 class SlotState(Enum):
@@ -40,19 +44,19 @@ class SlotState(Enum):
 
 
 @dataclass
-class Slot:
+class Slot(Generic[H]):
     """One staging context, its ledger charge, and who holds it now."""
 
     index: int
     reservation: Reservation
     ctx: Context | None = None
     state: SlotState = SlotState.FREE
-    handle: PrefetchHandle | None = None  # the prefetch that owns it while staging or ready
-    next: PrefetchHandle | None = None  # a prefetch queued behind its drain
+    handle: H | None = None  # the prefetch that owns it while staging or ready
+    next: H | None = None  # a prefetch queued behind its drain
     drain: PendingSnapshot | None = None  # the capture running while draining
 
 
-class SlotTable:
+class SlotTable(Generic[H]):
     """At most ``max_contexts`` slots, each charged ``context_bytes`` to ``ledger`` before it exists."""
 
     def __init__(self, ledger: VramLedger, max_contexts: int, context_bytes: int, name: str) -> None:
@@ -60,7 +64,7 @@ class SlotTable:
         self.max_contexts = max_contexts
         self.context_bytes = context_bytes
         self.name = name
-        self.slots: list[Slot] = []
+        self.slots: list[Slot[H]] = []
         self.charged = 0  # slots charged since the table was made
         self._index = 0  # the next slot's number (slots may leave the table: numbers are not reused)
 
@@ -68,15 +72,15 @@ class SlotTable:
         index, self._index = self._index, self._index + 1
         return index, f"staging:{self.name}#{index}"
 
-    def charge(self) -> Slot:
+    def charge(self) -> Slot[H]:
         """A new slot charged to the ledger; raises :class:`~kvrt.accounting.ledger.LedgerDenied`, changing nothing."""
         index, owner = self._owner()
-        slot = Slot(index, self.ledger.try_reserve(self.context_bytes, owner))
+        slot: Slot[H] = Slot(index, self.ledger.try_reserve(self.context_bytes, owner))
         self.slots.append(slot)
         self.charged += 1
         return slot
 
-    def adopt(self, ctx: Context, reservation: Reservation) -> Slot:
+    def adopt(self, ctx: Context, reservation: Reservation) -> Slot[H]:
         """A caller's context and its ledger charge as a new ``active`` slot (the charge now the stager's).
 
         :class:`StagingFull` when the table is at its bound; nothing changes then.
@@ -85,11 +89,11 @@ class SlotTable:
             raise StagingFull(self.counts(), self.max_contexts, None)
         index, owner = self._owner()
         self.ledger.transfer(reservation, owner)
-        slot = Slot(index, reservation, ctx, SlotState.ACTIVE)
+        slot: Slot[H] = Slot(index, reservation, ctx, SlotState.ACTIVE)
         self.slots.append(slot)
         return slot
 
-    def detach(self, slot: Slot) -> tuple[Context, Reservation]:
+    def detach(self, slot: Slot[H]) -> tuple[Context, Reservation]:
         """Take an ``active`` slot out of the table: its context and charge become the caller's (re-own the charge)."""
         assert slot.state is SlotState.ACTIVE and slot.ctx is not None
         self.slots.remove(slot)
@@ -106,13 +110,13 @@ class SlotTable:
             released += self.ledger.release(slot.reservation)
         return released
 
-    def discard(self, slot: Slot) -> None:
+    def discard(self, slot: Slot[H]) -> None:
         """Forget a slot whose context could not be created, and its charge."""
         self.slots.remove(slot)
         self.charged -= 1
         self.ledger.release(slot.reservation)
 
-    def claim(self, handle: PrefetchHandle) -> tuple[Slot, PendingSnapshot | None]:
+    def claim(self, handle: H) -> tuple[Slot[H], PendingSnapshot | None]:
         """A slot for ``handle``: a free one (one with a context first), a new one, or one behind its drain
         (with the capture to wait for). :class:`StagingFull` when there is none; nothing changes then."""
         free = [s for s in self.slots if s.state is SlotState.FREE]
@@ -137,7 +141,7 @@ class SlotTable:
         raise StagingFull(self.counts(), self.max_contexts, denied)
 
     @staticmethod
-    def free(slot: Slot) -> None:
+    def free(slot: Slot[H]) -> None:
         """Empty ``slot``'s context (cell metadata only) and mark it free; nobody else may be using it."""
         if slot.ctx is not None and not slot.ctx.closed and slot.ctx.seq_pos_max(0) >= 0:
             slot.ctx.seq_rm(0)

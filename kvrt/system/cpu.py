@@ -7,9 +7,10 @@ state): the AMX matmul then faults and takes the whole process down with SIGSEGV
 
 Invariant: a kvrt model loads with extra buffer types only after they were seen to
 decode correctly on this CPU with this build of the libraries. The first process that
-needs the answer runs :func:`run_probe` in a child (a crash there costs the child, never
-the caller); the verdict is cached on disk per (CPU, library build), so later processes
-pay a file read. ``KVRT_EXTRA_BUFTS=on|off`` overrides the decision.
+needs the answer runs the probe (:mod:`kvrt.modelfiles.cpu_probe`) in a child through
+:func:`run_probe` (a crash there costs the child, never the caller); the verdict is
+cached on disk per (CPU, library build), so later processes pay a file read.
+``KVRT_EXTRA_BUFTS=on|off`` overrides the decision.
 """
 
 from __future__ import annotations
@@ -36,9 +37,7 @@ EXTRA_BUFTS_ENV = "KVRT_EXTRA_BUFTS"
 CACHE_DIR_ENV = "KVRT_CACHE_DIR"
 PROBE_TIMEOUT_S = 120.0
 PROBE_VERSION = 1
-PROBE_PRESET = "probe-q4_0"
-_PROBE_TOKENS = 4
-_PROBE_TOLERANCE = 0.1  # extra-buffer logits within 10 % of the plain kernels' logit range
+PROBE_CHILD = "kvrt.modelfiles.cpu_probe"  # started by name: it loads a model, which this layer sits below
 _NOTABLE_PREFIXES = ("amx", "avx512", "avx_vnni", "sve", "sme2", "asimd")
 _NOTABLE_FLAGS = frozenset({"avx2", "fma", "f16c", "sme", "i8mm", "bf16"})
 
@@ -176,12 +175,12 @@ def _library_files() -> list[Path]:
 
 
 def run_probe(command: Sequence[str] | None = None, timeout_s: float = PROBE_TIMEOUT_S) -> ProbeOutcome:
-    """Run the probe child (by default ``python -m kvrt.system.cpu``) and read its verdict.
+    """Run the probe child (by default ``python -m`` :data:`PROBE_CHILD`) and read its verdict.
 
     A child killed by a signal, one that exits non-zero, hangs past ``timeout_s`` or
     prints no verdict is a failed probe; nothing it does can reach the calling process.
     """
-    argv = list(command) if command is not None else [sys.executable, "-m", "kvrt.system.cpu"]
+    argv = list(command) if command is not None else [sys.executable, "-m", PROBE_CHILD]
     env = {**os.environ, EXTRA_BUFTS_ENV: "on"}  # the child never probes itself
     t0 = time.perf_counter()
     try:
@@ -311,47 +310,3 @@ def llama_cpp_llama(model_path: str | os.PathLike[str], **kwargs: object) -> obj
             return llama_module.Llama(str(model_path), **kwargs)
         finally:
             bindings.llama_model_default_params = factory
-
-
-# -- the probe child ------------------------------------------------------------------------
-def _greedy_run(path: Path, use_extra_bufts: bool) -> tuple[list[int], list[float]]:
-    """Greedy tokens and the last logits of a short prompt on the CPU."""
-    from kvrt.engine.batch import Batch
-    from kvrt.engine.context import Context
-    from kvrt.engine.generation import prefill
-    from kvrt.engine.model import Model
-
-    with Model(path, n_gpu_layers=0, use_extra_bufts=use_extra_bufts) as model, \
-            Context(model, n_ctx=128, n_batch=64, n_ubatch=64, n_threads=2) as ctx, Batch(64) as batch:
-        row = prefill(ctx, model.tokenize("extra buffer type probe: " * 2), batch=batch)
-        tokens: list[int] = []
-        for _ in range(_PROBE_TOKENS):
-            logits = ctx.logits(row)
-            tokens.append(int(logits.argmax()))
-            batch.clear()
-            row = batch.add(tokens[-1], ctx.seq_len(0), 0, logits=True)
-            ctx.decode(batch)
-        return tokens, [float(x) for x in ctx.logits(row)]
-
-
-def _probe_child() -> dict[str, object]:
-    """Decode through the extra buffer types and through the plain kernels; compare."""
-    import numpy as np
-
-    from kvrt.modelfiles.testmodels import write_model
-
-    with tempfile.TemporaryDirectory(prefix="kvrt-probe-") as tmp:
-        path = write_model(Path(tmp) / "probe.gguf", PROBE_PRESET)
-        _, plain = _greedy_run(path, use_extra_bufts=False)
-        _, extra = _greedy_run(path, use_extra_bufts=True)
-    plain_a, extra_a = np.asarray(plain), np.asarray(extra)
-    if not np.isfinite(extra_a).all():
-        return {"ok": False, "detail": "the extra buffer types produced non-finite logits"}
-    spread = float(plain_a.max() - plain_a.min()) or 1.0
-    diff = float(np.abs(extra_a - plain_a).max())
-    ok = diff <= _PROBE_TOLERANCE * spread
-    return {"ok": ok, "detail": f"max logit difference {diff:.3g} against a range of {spread:.3g}"}
-
-
-if __name__ == "__main__":
-    print(json.dumps(_probe_child()), flush=True)
