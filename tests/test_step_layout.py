@@ -7,12 +7,12 @@ model is exact under batching).
 
 from __future__ import annotations
 
-from test_batching import alone, engine, greedy
-
+import pytest
 from kvrt.engine.decode_step import Feed, takes
 from kvrt.engine.micro_batches import read_bytes, split_per_stream
 from kvrt.runtime.requests import Request
 from kvrt.runtime.step_layout import even_chunks
+from test_batching import alone, engine, greedy
 
 WEIGHTS = 15 << 30  # the Qwen2.5-7B shape in F16: what a micro-batch reads besides the K/V
 CELL = 57_344  # its K/V a cell
@@ -54,10 +54,12 @@ def test_whole_chunks_and_single_chunks_are_left_as_they_are():
     assert even_chunks(one, 2, budget=64, chunk=512, cost=cost(0)) == (512, 64)
 
 
-def test_evened_steps_give_every_request_a_fresh_contexts_tokens(tiny_model, monkeypatch):
+@pytest.mark.parametrize("even", [True, False])
+def test_evened_steps_give_every_request_a_fresh_contexts_tokens(tiny_model, monkeypatch, even):
     """A short prompt beside three long ones in consecutive slots, 48 tokens a step in chunks of 16: the short one's
     decode row cuts the last chunk short, so steps are evened (seen through a wrapper of even_chunks); every output
-    equals a fresh context's and llama.cpp's memory holds what the engine's mirror says."""
+    equals a fresh context's and llama.cpp's memory holds what the engine's mirror says. ``even_chunks=False``: the
+    layout is never asked for."""
     from kvrt.runtime import step_layout
 
     chosen: list[tuple[tuple[int, int], tuple[int, int]]] = []
@@ -70,10 +72,11 @@ def test_evened_steps_give_every_request_a_fresh_contexts_tokens(tiny_model, mon
     monkeypatch.setattr(step_layout, "even_chunks", watched)
     prompts = [tiny_model.tokenize("a short one")] + [tiny_model.tokenize(f"prompt {i} " + "goes on and on " * 12)
                                                        for i in range(3)]
-    with engine(tiny_model, n_seq_max=4, n_batch=48, prefill_chunk=16, kv_layout="split") as eng:
+    with engine(tiny_model, n_seq_max=4, n_batch=48, prefill_chunk=16, kv_layout="split",
+                even_chunks=even) as eng:
         streams = [eng.submit(Request(p, greedy(n))) for p, n in zip(prompts, (40, 6, 6, 6))]
         outputs = [s.result(60.0).choices[0].tokens for s in streams]
         for slot in range(4):
             assert eng.ctx.seq_pos_max(slot) == eng.cache.held(slot) - 1
-    assert any(given != choice for given, choice in chosen)  # some steps were laid out evened
+    assert any(given != choice for given, choice in chosen) if even else not chosen  # some steps were evened
     assert outputs == [alone(tiny_model, p, greedy(n)) for p, n in zip(prompts, (40, 6, 6, 6))]

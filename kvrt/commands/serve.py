@@ -110,6 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "throwaway token, removed after the step, when that makes fewer llama.cpp micro-batches "
                              "(each reads all the weights; llama.cpp puts only consecutive slots in one) without "
                              "costing more attention than the weight passes it saves")
+    parser.add_argument("--even-chunks", choices=("on", "off"), default="on",
+                        help="split layout: a step whose token budget cuts its last prompt chunk short gives every "
+                             "chunk that length, or leaves that chunk to the next step, when that makes fewer or "
+                             "fuller llama.cpp micro-batches (it gives each sequence of one the same number of tokens)")
     parser.add_argument("--backend-sampling", choices=("on", "off"), default="off",
                         help="greedy requests without logprobs get their next token picked inside llama.cpp's "
                              "decode graph (llama.cpp's backend sampling), so no row of logits (4 bytes a vocabulary "
@@ -219,7 +223,8 @@ def _start_socket(args: argparse.Namespace, registry: ModelRegistry, budget: Bud
         scheduler = BatchedScheduler(ledger, registry, config=BatchConfig(
             n_ctx=args.batch_cells, n_seq_max=args.batch_slots, n_threads=args.threads,
             host_bytes=args.batch_host_mib << 20, kv_layout=args.kv_layout,
-            pad_gaps=args.pad_gaps == "on", backend_sampling=args.backend_sampling == "on",
+            pad_gaps=args.pad_gaps == "on", even_chunks=args.even_chunks == "on",
+            backend_sampling=args.backend_sampling == "on",
             host_write_behind=args.host_write_behind == "on"),
             state_dir=args.state_dir)
     else:

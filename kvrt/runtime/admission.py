@@ -53,6 +53,9 @@ class EngineConfig:
     admission before :class:`kvrt.runtime.requests.EngineOverloaded`. ``pad_gaps``: in the split layout, a step
     whose sequences leave idle slots between them gives each of those a throwaway token, removed after the step,
     when that makes the step read fewer bytes (:meth:`kvrt.runtime.prefix_cache.PrefixCache.padding`).
+    ``even_chunks``: in the split layout, a step whose budget cuts its last prompt chunk short caps every chunk at
+    that length, or leaves that chunk out, when that reads fewer bytes a token
+    (:func:`kvrt.runtime.step_layout.even_chunks`).
     ``backend_sampling``: a step's plain greedy rows (no logprobs) are picked inside llama.cpp's decode graph
     (:meth:`kvrt.engine.context.Context.sample_on_device`), so no row of logits is copied out or scanned on the
     host for them. ``host_write_behind`` (with ``host_bytes``): while nothing runs or waits, cached slots are
@@ -71,6 +74,7 @@ class EngineConfig:
     kv_layout: str = "auto"
     split_after_idle_s: float = 2.0  # longer than an agent's pause between turns: a switch drops the cache
     pad_gaps: bool = True  # split: idle slots between a step's sequences get a throwaway token (see above)
+    even_chunks: bool = True  # split: a step's prompt chunks evened when that reads fewer bytes a token (see above)
     backend_sampling: bool = False  # plain greedy rows picked in the decode's graph (see above)
     host_write_behind: bool = True  # an idle engine copies cached slots to the host tier before they are evicted
 

@@ -68,12 +68,13 @@ class StepBatch:
 
 class BatchFiller:
     """Lays out steps into ``batch`` (see the module docstring); ``model`` gives the bytes a step reads (its
-    weights, and a cell's K/V) that decide whether pads pay off."""
+    weights, and a cell's K/V) that decide whether pads and evened chunks pay off."""
 
-    def __init__(self, batch: Batch, model: Model, *, chunk: int, pad_gaps: bool) -> None:
+    def __init__(self, batch: Batch, model: Model, *, chunk: int, pad_gaps: bool, even_chunks: bool) -> None:
         self.batch = batch
         self.chunk = chunk
         self.pad_gaps = pad_gaps
+        self.even_chunks = even_chunks
         geometry = ModelGeometry(model.n_layer, model.n_embd, model.n_head, model.n_head_kv, model.n_vocab)
         self._weight_bytes, self._cell_bytes = model.size_bytes, geometry.kv_bytes_per_token()
 
@@ -100,7 +101,7 @@ class BatchFiller:
             owners.append((live, None))
             feeds.append(Feed(live.slot, 0, live.prompt, logits=not live.pin, done=live.prefilled))
         chunk, budget = self.chunk, ctx.n_batch
-        if not cache.shared and not exact:
+        if self.even_chunks and not cache.shared and not exact:
             chunk, budget = even_chunks(feeds, decoding, budget=budget, chunk=chunk,
                                         cost=lambda shape: self._read_bytes(shape, ctx, cache))
         landed = fill(self.batch, feeds, budget=budget, chunk=chunk, by_seq=not cache.shared)
