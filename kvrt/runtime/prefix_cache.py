@@ -112,7 +112,7 @@ class PrefixCache:
         self._tokens = [TokenRow() for _ in range(self.n_slots)]
         self._cells: list[list[int]] = [[] for _ in range(self.n_slots)]
         self._cold = [0] * self.n_slots  # each slot's first positions computed as a cold prefill computes them
-        self._refs: Counter[int] = Counter()
+        self._refs: Counter[int] = Counter()  # shared: each cell's claims (split: none is shared, none counted)
         self._next_cell = 0
         self._eviction: Eviction[int] = Eviction()  # the cached slots (pinned ones never chosen), LRU first
         self._owner: list[str | None] = [None] * self.n_slots  # the agent whose history a slot holds
@@ -125,7 +125,7 @@ class PrefixCache:
 
     @property
     def used_cells(self) -> int:
-        return len(self._refs)
+        return len(self._refs) if self.shared else sum(len(cells) for cells in self._cells)
 
     def tokens(self, slot: int) -> list[int]:
         """The tokens whose KV the slot holds, position by position (a copy)."""
@@ -305,7 +305,8 @@ class PrefixCache:
         self._next_cell += len(tokens)
         self._tokens[slot].extend(tokens)
         self._cells[slot].extend(cells)
-        self._refs.update(cells)
+        if self.shared:
+            self._refs.update(cells)
 
     def truncate(self, slot: int, keep: int) -> None:
         """Drop the slot's positions from ``keep`` on (``seq_rm``)."""
@@ -425,6 +426,10 @@ class PrefixCache:
             return False
 
     def _forget(self, cells: Iterable[int]) -> None:
+        """Drop one claim on each of ``cells`` (shared layout; split cells belong to their slot alone, and walking
+        a 4k-cell slot's claims cost ~1 ms an eviction)."""
+        if not self.shared:
+            return
         for cell in cells:
             self._refs[cell] -= 1
             if self._refs[cell] <= 0:
