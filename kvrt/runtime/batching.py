@@ -491,7 +491,6 @@ class Engine:
         token = greedy[row] if choice.sampler.plain_greedy else choice.sampler.sample(self.ctx, row)
         live.accept(choice, token, lambda: self.ctx.logits(row), self.cache)
 
-    # -- the KV layout (auto: :mod:`kvrt.runtime.layout_policy` decides, the worker switches) ------------------
     def _write_behind(self) -> bool:
         """With ``host_write_behind``, while nothing runs or waits, one cached slot is copied into the host tier's
         free room (:meth:`PrefixCache.back_up`), so the request that later evicts it does not wait for the copy.
@@ -500,6 +499,7 @@ class Engine:
         return (self.config.host_write_behind and not self._live and not self._queue
                 and self._layout_policy.switch_to is None and self.cache.back_up())
 
+    # -- the KV layout (auto: :mod:`kvrt.runtime.layout_policy` decides, the worker switches) ------------------
     def _switch(self, shared: bool) -> None:
         """The worker recreates the context in the layout asked for. If that fails, the request that needed the
         pool is refused, or the context stays unified for good."""

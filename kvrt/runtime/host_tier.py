@@ -195,7 +195,8 @@ class HostTier:
             return False
         for _, old in self._entries.prefixes(key):
             self._drop(old.tokens)  # the new copy holds all of it
-        piece = piece or self._arena.alloc(nbytes)
+        if piece is None:  # the dropped prefixes' room first, then least recently used entries
+            piece = self._arena.alloc(nbytes)
         while piece is None and (victim := self._eviction.victim()) is not None:
             self._drop(victim)
             piece = self._arena.alloc(nbytes)
