@@ -17,6 +17,7 @@ import numpy as np
 
 from kvrt._handle import NativeHandle, OwnsHandle
 from kvrt.bindings import FLASH_ATTN, STATE_SEQ_FLAGS_NONE, capture, explain, ffi, lib
+from kvrt.engine.argmax import argmax_rows
 from kvrt.engine.batch import Batch
 from kvrt.engine.context_params import ContextParams
 from kvrt.engine.model import Model
@@ -281,7 +282,7 @@ class Context(OwnsHandle):
         logits = np.frombuffer(ffi.buffer(ffi.cast("char *", base), span * row_bytes), dtype=np.float32)
         outputs = logits.reshape(span, self._n_vocab)
         index = [(a - base) // row_bytes for a in addresses]
-        best = outputs.argmax(axis=1)  # outputs are the rows that asked for logits, in batch order
+        best = argmax_rows(outputs)  # outputs are the rows that asked for logits, in batch order
         return [int(best[i]) for i in index]
 
     def has_logits(self, row: int) -> bool:
