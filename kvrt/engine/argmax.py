@@ -25,8 +25,9 @@ def argmax_rows(matrix: np.ndarray) -> np.ndarray:
     rows = matrix.shape[0]
     parts = min(_WORKERS, rows)
     if parts < 2 or matrix.size < PARALLEL_MIN_VALUES:
-        return matrix.argmax(axis=1)
+        picks: np.ndarray = matrix.argmax(axis=1)
+        return picks
     bounds = np.linspace(0, rows, parts + 1).astype(int)
-    picks = _POOL.map(lambda a, b: matrix[a:b].argmax(axis=1), bounds[:-1], bounds[1:])
-    return np.concatenate(list(picks))
+    groups = _POOL.map(lambda a, b: matrix[a:b].argmax(axis=1), bounds[:-1], bounds[1:])
+    return np.concatenate(list(groups))
 
