@@ -14,11 +14,12 @@ import time
 
 import pytest
 
-from kvrt.runtime.admission import EngineConfig
+from kvrt.runtime.admission import EngineConfig, Layout
 from kvrt.runtime.batching import Engine
+from kvrt.runtime.layout_policy import _roomier
 from kvrt.runtime.requests import EngineError, Request, RequestTooLarge
 from kvrt.errors import KvrtError
-from test_batching import WAIT_S, alone, engine, greedy
+from test_batching import WAIT_S, StepGate, alone, engine, greedy
 
 LAYOUTS = ["split", "unified"]
 
@@ -238,3 +239,58 @@ def test_auto_turns_split_at_once_for_fresh_requests_but_keeps_the_pool_for_a_re
     assert (stats.kv_layout, stats.slot_cells, stats.relayouts) == ("split", 256, 2)
     assert kept.choices[0].tokens == alone(tiny_model, returning, greedy(4))
     assert fresh.choices[0].tokens == alone(tiny_model, fresh_prompt, greedy(4))
+
+
+def test_auto_splits_into_fewer_longer_streams_for_private_histories_longer_than_a_slot(tiny_model):
+    """Four agents whose own histories exceed a slot's 256 cells, all at once: one pool would make each attend
+    over all four histories, so ``auto`` makes two streams of 512 (the other two agents queue), and returns to
+    four streams of 256 once idle. Every answer, first and second turns, equals the request alone."""
+    histories = private_histories(tiny_model.n_vocab, 4, 280, seed=20)
+    gate = StepGate()
+    with engine(tiny_model, gate, n_ctx=1024, n_seq_max=4, split_after_idle_s=0) as eng:
+        firsts = [eng.submit(Request(h, greedy(6))) for h in histories]  # all queued before the worker looks
+        gate.open()
+        replies = [s.result(WAIT_S).choices[0].tokens for s in firsts]
+        wide = eng.stats()
+        assert_mirror_matches_llama_cpp(eng)
+        turns = [h + r + [7, 8, 9] for h, r in zip(histories, replies)]
+        seconds = [s.result(WAIT_S) for s in [eng.submit(Request(t, greedy(6))) for t in turns]]
+        short = eng.submit(Request(histories[0][:40], greedy(4))).result(WAIT_S)
+        back = eng.stats()
+        assert_mirror_matches_llama_cpp(eng)
+    assert (wide.kv_layout, wide.slot_cells, len(wide.slots), wide.relayouts) == ("split", 512, 2, 1)
+    assert (back.kv_layout, back.slot_cells, len(back.slots), back.relayouts) == ("split", 256, 4, 2)
+    assert replies == [alone(tiny_model, h, greedy(6)) for h in histories]
+    assert [s.choices[0].tokens for s in seconds] == [alone(tiny_model, t, greedy(6)) for t in turns]
+    assert short.choices[0].tokens == alone(tiny_model, histories[0][:40], greedy(4))
+
+
+def test_auto_pools_the_cells_for_long_requests_that_share_a_prefix(tiny_model):
+    """The same lengths, but the four prompts share a 260-token document: one pool computes and holds it once."""
+    document = private_histories(tiny_model.n_vocab, 1, 260, seed=21)[0]
+    prompts = [document + q[1:] for q in private_histories(tiny_model.n_vocab, 4, 21, seed=22)]
+    gate = StepGate()
+    with engine(tiny_model, gate, n_ctx=1024, n_seq_max=4) as eng:
+        streams = [eng.submit(Request(p, greedy(6))) for p in prompts]
+        gate.open()
+        answers = [s.result(WAIT_S).choices[0].tokens for s in streams]
+        stats = eng.stats()
+    assert (stats.kv_layout, stats.relayouts) == ("unified", 1)
+    assert stats.prefilled_tokens < sum(len(p) for p in prompts) - 2 * len(document)  # the document once or so
+    assert answers == [alone(tiny_model, p, greedy(6)) for p in prompts]
+
+
+def test_roomier_layout_keeps_concurrency_within_half_of_one_pools():
+    """The choice itself: fewer streams only while they run at least half as many requests as one pool holds."""
+    config = EngineConfig(n_ctx=4096, n_seq_max=16)  # split: 16 streams of 256
+    long = Request(list(range(1, 601)), greedy(8))  # 608 cells: streams of 768, five of them
+    privates = [Request([2] + list(range(1000 + 700 * i, 1000 + 700 * i + 599)), greedy(8)) for i in range(5)]
+    assert _roomier(long, privates, config) == Layout(shared=False, slots=5)  # six fit one pool, five streams
+    shorts = [Request([3, 4 + i] + [5] * 48, greedy(8)) for i in range(15)]  # 16 fit one pool: 5 < 16 / 2
+    assert _roomier(long, shorts, config) == Layout(shared=True, slots=16)
+    sharing = [Request(list(range(1, 401)) + [9] * 200, greedy(8))]  # starts with 400 of long's 600 tokens
+    assert _roomier(long, sharing, config) == Layout(shared=True, slots=16)
+    alone_long = Request(list(range(1, 1801)), greedy(8))  # 1,808 cells: two streams of 2,048
+    assert _roomier(alone_long, [], config) == Layout(shared=False, slots=2)
+    longer = Request(list(range(1, 2101)), greedy(8))  # more than half the pool: no two streams hold it
+    assert _roomier(longer, [], config) == Layout(shared=True, slots=16)

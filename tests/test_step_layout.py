@@ -11,7 +11,7 @@ import pytest
 from kvrt.engine.decode_step import Feed, takes
 from kvrt.engine.micro_batches import read_bytes, split_per_stream
 from kvrt.runtime.requests import Request
-from kvrt.runtime.step_layout import even_chunks
+from kvrt.runtime.step_layout import even_chunks, fill_gaps
 from test_batching import alone, engine, greedy
 
 WEIGHTS = 15 << 30  # the Qwen2.5-7B shape in F16: what a micro-batch reads besides the K/V
@@ -29,6 +29,35 @@ def step_feeds(decoding: list[int], prompting: list[int], left: int) -> list[Fee
 
 def split_of(feeds: list[Feed], chunk: int, budget: int) -> list[dict[int, int]]:
     return split_per_stream(sorted((f.seq, t) for f, t in takes(feeds, budget=budget, chunk=chunk)), 512)
+
+
+def micro_batches(feeds: list[Feed], pads: list[Feed], decoding: int, budget: int) -> list[dict[int, int]]:
+    chosen = takes(feeds[:decoding] + pads + feeds[decoding:], budget=budget, chunk=512)
+    return split_per_stream(sorted((f.seq, t) for f, t in chosen), 512)
+
+
+def test_prefilling_slots_left_without_budget_get_a_prompt_token_so_the_step_is_one_run():
+    """Sixteen decode rows in the even slots, sixteen prompts in the odd ones of which the budget reaches four:
+    the waiting ones break the run of slots, so llama.cpp makes a micro-batch of every piece; a prompt token each
+    (taken from the last chunk) makes one run, then the four chunks."""
+    feeds = step_feeds(list(range(0, 32, 2)), list(range(1, 32, 2)), 4096)
+    plain = micro_batches(feeds, [], 16, 2048)
+    order, filled, pads = fill_gaps(feeds, 16, budget=2048, chunk=512, padding=lambda seqs: [], cost=cost(2048))
+    gap_filled = micro_batches(filled, pads, 16, 2048)
+    assert (len(plain), len(gap_filled), pads) == (16, 5, [])
+    assert order[:16] == list(range(16))  # the decode rows first: never delayed
+    landed = dict(sorted((f.seq, t) for f, t in takes(filled, budget=2048, chunk=512)))
+    assert all(landed[seq] == 1 for seq in range(9, 31, 2)) and sum(landed.values()) == 2048  # a token each
+    cut = [(f.seq, f.done, f.left) for i, f in enumerate(filled) if f is not feeds[order[i]]]
+    assert cut == [(seq, 0, 1) for seq in range(9, 31, 2)]  # slot 31 is past the run; the rest as given
+
+
+def test_gaps_are_left_when_filling_them_reads_more_a_token():
+    """Four prompt chunks in slots far apart, no decode rows: each is a micro-batch of its own either way, and a
+    token for every waiting slot between them only adds a pass: the layout stays as given."""
+    feeds = step_feeds([], [0, 10, 20, 30, 5, 15, 25], 4096)
+    order, filled, pads = fill_gaps(feeds, 0, budget=2048, chunk=512, padding=lambda seqs: [], cost=cost(1024))
+    assert (order, filled, pads) == (list(range(7)), feeds, [])
 
 
 def test_a_decode_row_that_cuts_the_last_chunk_short_evens_all_of_them():
@@ -80,3 +109,28 @@ def test_evened_steps_give_every_request_a_fresh_contexts_tokens(tiny_model, mon
             assert eng.ctx.seq_pos_max(slot) == eng.cache.held(slot) - 1
     assert any(given != choice for given, choice in chosen) if even else not chosen  # some steps were evened
     assert outputs == [alone(tiny_model, p, greedy(n)) for p, n in zip(prompts, (40, 6, 6, 6))]
+
+
+def test_steps_with_gap_tokens_give_every_request_a_fresh_contexts_tokens(tiny_model, monkeypatch):
+    """Short prompts in the even slots (decoding soon) and long ones in the odd slots, 48 tokens a step in chunks of
+    16: the budget leaves prefilling slots between decode rows, which get a prompt token each (seen through a
+    wrapper of fill_gaps); every output equals a fresh context's and llama.cpp's memory holds the engine's mirror."""
+    from kvrt.runtime import step_layout
+
+    gap_tokens: list[int] = []
+
+    def watched(feeds, decoding, **kw):
+        order, filled, pads = fill_gaps(feeds, decoding, **kw)
+        gap_tokens.append(sum(f is not feeds[i] for i, f in zip(order, filled)))
+        return order, filled, pads
+
+    monkeypatch.setattr(step_layout, "fill_gaps", watched)
+    prompts = [tiny_model.tokenize(f"short {i}") if i % 2 == 0 else
+               tiny_model.tokenize(f"prompt {i} " + "goes on and on " * 10) for i in range(8)]
+    with engine(tiny_model, n_ctx=2048, n_seq_max=8, n_batch=48, prefill_chunk=16, kv_layout="split") as eng:
+        streams = [eng.submit(Request(p, greedy(12))) for p in prompts]
+        outputs = [s.result(60.0).choices[0].tokens for s in streams]
+        for slot in range(8):
+            assert eng.ctx.seq_pos_max(slot) == eng.cache.held(slot) - 1
+    assert max(gap_tokens) > 0
+    assert outputs == [alone(tiny_model, p, greedy(12)) for p in prompts]

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvrt.accounting.budget import host_ram_bytes
 from kvrt.bindings import FLASH_ATTN
 from kvrt.commands._args import non_negative_int, positive_int, seconds
 from kvrt.errors import KvrtError
@@ -32,6 +33,15 @@ room in the ledger (HTTP 507 with the ledger's numbers when even that is not eno
 also be set by the environment variable named beside it (KVRT_<OPTION>); the command line wins."""
 
 
+HOST_MIB_DEFAULT = 8192  # llama-server's --cache-ram default: host memory for prompts evicted from its slots
+
+
+def default_host_mib() -> int:
+    """The host tier's default size: llama-server's :data:`HOST_MIB_DEFAULT`, at most an eighth of the RAM
+    (it is reserved, and pinned on a GPU machine, when the model loads)."""
+    return min(HOST_MIB_DEFAULT, host_ram_bytes() // 8 >> 20)
+
+
 def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     """The HTTP front's options (``--http`` itself is added by the caller)."""
     group = parser.add_argument_group("HTTP front (--http)")
@@ -47,10 +57,11 @@ def add_http_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--n-batch", type=positive_int, default=512, help="most tokens computed in one step")
     group.add_argument("--prefill-chunk", type=positive_int, default=256,
                        help="most prompt tokens one request computes per step, so long prompts do not stall others")
-    group.add_argument("--host-mib", type=non_negative_int, default=2048,
+    group.add_argument("--host-mib", type=non_negative_int, default=default_host_mib(),
                        help="host memory per model, reserved at start (pinned on a GPU machine), for copies of "
                             "conversations evicted from its context, restored when they return instead of prefilled "
-                            "again (0: recompute them)")
+                            "again (0: recompute them; default: llama-server's --cache-ram, 8192, at most an eighth "
+                            "of this machine's RAM: %(default)s here)")
     group.add_argument("--max-queue", type=positive_int, default=64,
                        help="requests waiting per model before new ones get HTTP 503")
     group.add_argument("--flash-attn", choices=tuple(FLASH_ATTN), default="auto", help="llama.cpp flash attention")

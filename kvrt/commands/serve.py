@@ -106,10 +106,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "copy, but every sequence attends over every used cell; auto runs split and turns unified "
                              "while a request needs more than a slot's share")
     parser.add_argument("--pad-gaps", choices=("on", "off"), default="on",
-                        help="split layout: a step whose sequences leave idle slots between them gives those slots a "
-                             "throwaway token, removed after the step, when that makes fewer llama.cpp micro-batches "
-                             "(each reads all the weights; llama.cpp puts only consecutive slots in one) without "
-                             "costing more attention than the weight passes it saves")
+                        help="split layout: a step whose sequences leave slots between them gives each idle one a "
+                             "throwaway token, removed after the step, and each prefilling one the budget left out a "
+                             "token of its prompt, when that makes fewer llama.cpp micro-batches (each reads all the "
+                             "weights; llama.cpp puts only consecutive slots in one) without costing more attention "
+                             "than the weight passes it saves")
     parser.add_argument("--even-chunks", choices=("on", "off"), default="on",
                         help="split layout: a step whose token budget cuts its last prompt chunk short gives every "
                              "chunk that length, or leaves that chunk to the next step, when that makes fewer or "

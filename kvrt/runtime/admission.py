@@ -16,6 +16,7 @@ micro-batches a cold prefill of the same prompt would use.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,8 +52,9 @@ class EngineConfig:
     (every decoding choice takes one, so it must be >= ``n_seq_max``); ``prefill_chunk``
     bounds one request's prompt tokens per step; ``max_queue`` the requests waiting for
     admission before :class:`kvrt.runtime.requests.EngineOverloaded`. ``pad_gaps``: in the split layout, a step
-    whose sequences leave idle slots between them gives each of those a throwaway token, removed after the step,
-    when that makes the step read fewer bytes (:meth:`kvrt.runtime.prefix_cache.PrefixCache.padding`).
+    whose sequences leave slots between them gives each idle one a throwaway token, removed after the step, and
+    each prefilling one its budget left out a token of its prompt, when that makes the step read fewer bytes a
+    token (:func:`kvrt.runtime.step_layout.fill_gaps`).
     ``even_chunks``: in the split layout, a step whose budget cuts its last prompt chunk short caps every chunk at
     that length, or leaves that chunk out, when that reads fewer bytes a token
     (:func:`kvrt.runtime.step_layout.even_chunks`).
@@ -73,7 +75,7 @@ class EngineConfig:
     host_bytes: int = 0  # host copies of evicted slots (kvrt.runtime.host_tier); 0: evicted prefixes are recomputed
     kv_layout: str = "auto"
     split_after_idle_s: float = 2.0  # longer than an agent's pause between turns: a switch drops the cache
-    pad_gaps: bool = True  # split: idle slots between a step's sequences get a throwaway token (see above)
+    pad_gaps: bool = True  # split: slots between a step's sequences get a pad or a prompt token (see above)
     even_chunks: bool = True  # split: a step's prompt chunks evened when that reads fewer bytes a token (see above)
     backend_sampling: bool = False  # plain greedy rows picked in the decode's graph (see above)
     host_write_behind: bool = True  # an idle engine copies cached slots to the host tier before they are evicted
@@ -108,9 +110,29 @@ class EngineConfig:
     @property
     def split_cells(self) -> int:
         """Cells of one slot's stream in the split layout (0: too few cells to split, or one slot)."""
-        if self.n_seq_max == 1:
+        return self.stream_cells(self.n_seq_max)
+
+    def stream_cells(self, streams: int) -> int:
+        """Cells of each of ``streams`` split streams: the pool shared out, rounded down to :data:`CELL_ALIGN`
+        (0: fewer than two streams, or too few cells)."""
+        if streams < 2:
             return 0
-        return self.pool_cells // self.n_seq_max // CELL_ALIGN * CELL_ALIGN
+        return self.pool_cells // streams // CELL_ALIGN * CELL_ALIGN
+
+    def wide_streams(self, cells: int) -> int:
+        """The most split streams, at most ``n_seq_max``, of which each holds ``cells`` (0: fewer than two do).
+
+        Why: a request longer than a slot's stream could run in one pool (``unified``), where every sequence
+        attends over every used cell; when the waiting requests share no prefix, fewer and longer streams keep
+        each sequence's attention to its own cells (:mod:`kvrt.runtime.layout_policy` chooses)."""
+        need = -(-max(cells, 1) // CELL_ALIGN) * CELL_ALIGN
+        streams = min(self.n_seq_max, self.pool_cells // need)
+        return streams if streams >= 2 else 0
+
+    @property
+    def split_layout(self) -> Layout:
+        """The split layout ``auto`` returns to: a stream for each of ``n_seq_max`` slots."""
+        return Layout(shared=False, slots=self.n_seq_max)
 
     @property
     def request_cells(self) -> int:
@@ -140,12 +162,24 @@ class EngineConfig:
         """Whether the engine's first context is unified (``auto`` starts split where it can)."""
         return self.kv_layout == "unified" or not self.split_cells
 
-    def context_params(self, shared: bool) -> ContextParams:
-        """The context of one layout: ``shared`` (unified) or one stream of :attr:`split_cells` per slot."""
-        n_ctx = self.n_ctx if shared else self.split_cells * self.n_seq_max
+    def first_layout(self) -> Layout:
+        """The layout of the engine's first context."""
+        return Layout(shared=True, slots=self.n_seq_max) if self.starts_shared() else self.split_layout
+
+    def context_params(self, layout: Layout) -> ContextParams:
+        """The context of ``layout``: one pool of ``n_ctx`` cells, or a stream of :meth:`stream_cells` a slot."""
+        n_ctx = self.n_ctx if layout.shared else self.stream_cells(layout.slots) * layout.slots
         return ContextParams(n_ctx=n_ctx, n_batch=self.n_batch, n_ubatch=self.n_ubatch,
-                             n_seq_max=self.n_seq_max, kv_unified=shared, n_threads=self.n_threads,
+                             n_seq_max=layout.slots, kv_unified=layout.shared, n_threads=self.n_threads,
                              flash_attn=self.flash_attn, backend_sampling=self.backend_sampling)
+
+
+class Layout(NamedTuple):
+    """A context's KV layout: one pool of cells (``shared``, llama.cpp's unified KV), or a stream of equal cells
+    for each of its ``slots`` (llama.cpp's ``kv_unified=false``)."""
+
+    shared: bool
+    slots: int
 
 
 @dataclass

@@ -26,10 +26,11 @@ The KV layout (``EngineConfig.kv_layout``, :mod:`kvrt.runtime.prefix_cache`): ``
 gives every slot a stream of its own, so attention costs what a sequence's own history
 holds; ``unified`` pools the cells, so one request may hold more than a slot's share
 and prefixes are shared without copies. Under ``auto`` the worker recreates the context
-in the other layout when :mod:`kvrt.runtime.layout_policy` asks it to (only while nothing
-runs). Nothing cached crosses a switch: llama.cpp's sequence state records the stream
-count of the context it came from and is refused by the other layout, so the slots and
-the host tier's copies are dropped, and a returning conversation is prefilled again.
+in another layout (one pool, or split into fewer, longer streams) when
+:mod:`kvrt.runtime.layout_policy` asks it to (only while nothing runs). Nothing cached
+crosses a switch: llama.cpp's sequence state records the stream count of the context it
+came from and is refused by another, so the slots and the host tier's copies are dropped,
+and a returning conversation is prefilled again.
 
 The step's parts live apart: how its batch is packed in :mod:`kvrt.runtime.step_layout`,
 when the KV layout switches in :mod:`kvrt.runtime.layout_policy`, admission's limits and
@@ -60,7 +61,7 @@ from kvrt.engine.model import Model
 from kvrt.engine.sampling import SEEDS, Sampler
 from kvrt.errors import DecodeError, KvrtError
 from kvrt.prefixes import common_prefix
-from kvrt.runtime.admission import EngineConfig, Pending, check_fits, check_in_vocabulary, place
+from kvrt.runtime.admission import EngineConfig, Layout, Pending, check_fits, check_in_vocabulary, place
 from kvrt.runtime.fair_queue import FairQueue
 from kvrt.runtime.host_tier import HostMemory, HostTier
 from kvrt.runtime.layout_policy import LayoutPolicy
@@ -99,7 +100,7 @@ class Engine:
         self.model = model
         self.before_step = before_step
         self.trace = trace
-        self.ctx = Context(model, self.config.context_params(self.config.starts_shared()))
+        self.ctx = Context(model, self.config.context_params(self.config.first_layout()))
         try:
             tier = HostTier(self.config.host_bytes, memory=host_memory) if self.config.host_bytes else None
             self.cache = PrefixCache(self.ctx, tier, unit=self.config.prefill_unit)
@@ -279,9 +280,9 @@ class Engine:
         while not self._closing:
             with self.ctx._handle.use():  # the context is this thread's: nobody frees it under a decode
                 self._loop()
-            shared = self._layout_policy.take_switch()
-            if shared is not None:  # outside use(): the switch closes this context
-                self._switch(shared)
+            layout = self._layout_policy.take_switch()
+            if layout is not None:  # outside use(): the switch closes this context
+                self._switch(layout)
 
     def _loop(self) -> None:
         while not self._closing and self._layout_policy.switch_to is None:
@@ -379,11 +380,12 @@ class Engine:
         while True:
             with self._lock:
                 pending = self._queue.head()
+                waiting = [p.stream.request for p in self._queue if p is not pending][:self.config.n_seq_max]
             if pending is None:
                 return
             try:
                 if not self._layout_policy.admits(pending.stream.request, self.cache, self.config,
-                                                  running=bool(self._live)):
+                                                  running=bool(self._live), waiting=waiting):
                     return
                 reserved = sum(live.future_cells() for live in self._live)
                 coming = max((common_prefix(x.request.prompt_array, pending.stream.request.prompt_array)
@@ -500,15 +502,15 @@ class Engine:
                 and self._layout_policy.switch_to is None and self.cache.back_up())
 
     # -- the KV layout (auto: :mod:`kvrt.runtime.layout_policy` decides, the worker switches) ------------------
-    def _switch(self, shared: bool) -> None:
-        """The worker recreates the context in the layout asked for. If that fails, the request that needed the
-        pool is refused, or the context stays unified for good."""
+    def _switch(self, layout: Layout) -> None:
+        """The worker recreates the context in ``layout``. If that fails, the request that needed a roomier
+        layout is refused, or the context keeps the layout it has for good."""
         try:
-            self._relayout(shared=shared)
+            self._relayout(layout)
         except KvrtError as exc:
-            if not shared:
-                log.warning("the context could not be made split again; it stays unified", exc_info=True)
-                self.config = replace(self.config, kv_layout="unified")
+            if layout == self.config.split_layout:
+                log.warning("the context could not be made split again; it keeps its layout", exc_info=True)
+                self._layout_policy.split_failed()
                 return
             with self._lock:
                 pending = self._queue.head()
@@ -516,25 +518,25 @@ class Engine:
                     self._queue.take(pending)
             if pending is not None:
                 pending.end("error", RequestTooLarge(f"the request needs more than a slot's {self.cache.slot_cells} "
-                                                     f"cells, and the context could not be made unified: {exc}"))
+                                                     f"cells, and the context could not be made roomier: {exc}"))
 
-    def _relayout(self, *, shared: bool) -> None:
-        """Recreate the context in the other layout (nothing runs, nothing is pinned), dropping what it and the
-        host tier cache (see the module docstring). On failure the previous layout is made again."""
+    def _relayout(self, layout: Layout) -> None:
+        """Recreate the context in ``layout`` (nothing runs, nothing is pinned), dropping what it and the host
+        tier cache (see the module docstring). On failure the previous layout is made again."""
         old = self.cache
         if old.host is not None:
             old.host.clear()
         self.ctx.close()  # first: the device holds one layout's cells at a time
         try:
-            self.ctx = Context(self.model, self.config.context_params(shared))
+            self.ctx = Context(self.model, self.config.context_params(layout))
         except KvrtError:
-            self.ctx = Context(self.model, self.config.context_params(old.shared))
+            self.ctx = Context(self.model, self.config.context_params(Layout(old.shared, old.n_slots)))
             self.cache = PrefixCache(self.ctx, old.host, unit=old.unit)
             raise
         self.cache = PrefixCache(self.ctx, old.host, unit=old.unit)
         self._relayouts += 1
-        log.info("KV layout now %s: %d slots of %d cells", "unified" if shared else "split", self.cache.n_slots,
-                 self.cache.slot_cells)
+        log.info("KV layout now %s: %d slots of %d cells", "unified" if layout.shared else "split",
+                 self.cache.n_slots, self.cache.slot_cells)
 
     # -- endings ----------------------------------------------------------------------
     def _finish_all(self, live: Live, reason: str, error: KvrtError | None = None) -> None:
