@@ -31,6 +31,7 @@ from kvrt.runtime.requests import (
     RequestTooLarge,
     TokenEvent,
 )
+from kvrt.runtime.step_trace import StepTrace, read_trace
 from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import LlamaError
 
@@ -184,6 +185,38 @@ def test_requests_arriving_together_prefill_their_shared_preamble_once(tiny_mode
     cached = [r.end.cached_tokens for r in results]
     assert cached[0] == 0 and all(common - WAIT_FOR_SHARE < c <= common for c in cached[1:])
     assert stats.prefilled_tokens == sum(map(len, prompts)) - sum(cached)
+    assert [r.choices[0].tokens for r in results] == [alone(tiny_model, p, greedy(4)) for p in prompts]
+
+
+@pytest.mark.parametrize("layout", ["split", "unified"])
+def test_a_prompt_others_wait_to_share_stops_at_the_shared_end_and_its_rest_goes_beside_theirs(tiny_model, tmp_path,
+                                                                                                layout):
+    """The fanout shape: a 100-token document, then a question of each agent's own. The first prompt is prefilled in
+    chunks of 64 while the others wait to share the document; split, it stops at the document's end (64 + 36), so
+    the others copy exactly the document and every question is prefilled in one step, no decode row among them (one
+    would take a token of every sequence of the run into a micro-batch of its own). Unified: no stop (64 + 44)."""
+    document = text_tokens(tiny_model, "A shared document that every agent reads before its own question. " * 8)[:100]
+    assert len(document) == 100
+    prompts = [document + text_tokens(tiny_model, f"{name} asks a question.", bos=False)
+               for name in ("Ann", "Bob", "Cal")]
+    assert len({p[100] for p in prompts}) == 3  # the questions part at the document's end
+    trace_path = tmp_path / "steps.jsonl"
+    gate = StepGate()
+    with engine(tiny_model, gate, n_batch=256, prefill_chunk=64, kv_layout=layout) as eng:
+        eng.trace = StepTrace(trace_path)
+        streams = [eng.submit(Request(p, greedy(4))) for p in prompts]  # all queued before any step runs
+        gate.open()
+        results = [s.result(WAIT_S) for s in streams]
+    steps = read_trace(trace_path)
+    first_chunks = [s.prompt_tokens for s in steps[:2]]
+    assert [r.end.cached_tokens for r in results] == [0, 100, 100]
+    if layout == "split":
+        assert first_chunks == [64, 36]
+        questions = steps[2]
+        assert (questions.prompt_chunks, questions.decode_rows, questions.micro_batches) == (3, 0, 1)
+        assert not any(s.decode_rows and s.prompt_chunks for s in steps)
+    else:
+        assert first_chunks == [64, len(prompts[0]) - 64]
     assert [r.choices[0].tokens for r in results] == [alone(tiny_model, p, greedy(4)) for p in prompts]
 
 

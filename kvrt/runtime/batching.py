@@ -8,7 +8,8 @@ thread that repeats :meth:`Engine.step`:
 2. admission: waiting requests, round robin by agent (:mod:`kvrt.runtime.fair_queue`; first
    come first served among one agent's or anonymous ones), get slots; the longest
    token prefix any slot already holds is shared with ``seq_cp`` (the prefix cache of
-   :mod:`kvrt.runtime.prefix_cache`), so only the rest of the prompt is prefilled;
+   :mod:`kvrt.runtime.prefix_cache`), so only the rest of the prompt is prefilled; a request
+   waiting to share what another is prefilling stops that one's prompt at the shared end;
 3. one :class:`kvrt.engine.batch.Batch` laid out by :mod:`kvrt.runtime.step_layout`: the last
    sampled token of every decoding choice, then prompt chunks of at most ``prefill_chunk``
    tokens per request, round robin, up to ``n_batch`` tokens: a long prompt never stalls the
@@ -61,7 +62,15 @@ from kvrt.engine.model import Model
 from kvrt.engine.sampling import SEEDS, Sampler
 from kvrt.errors import DecodeError, KvrtError
 from kvrt.prefixes import common_prefix
-from kvrt.runtime.admission import EngineConfig, Layout, Pending, check_fits, check_in_vocabulary, place
+from kvrt.runtime.admission import (
+    EngineConfig,
+    Layout,
+    Pending,
+    check_fits,
+    check_in_vocabulary,
+    place,
+    share_stops,
+)
 from kvrt.runtime.fair_queue import FairQueue
 from kvrt.runtime.host_tier import HostMemory, HostTier
 from kvrt.runtime.layout_policy import LayoutPolicy
@@ -113,6 +122,7 @@ class Engine:
         self._commands: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._live: list[Live] = []
         self._pins: dict[str, int] = {}
+        self._stops: dict[int, int] = {}  # slot -> where its prompt stops this step (admission.share_stops)
         self._ids = itertools.count(1)
         self._wake = threading.Event()
         self._closing = False
@@ -376,7 +386,10 @@ class Engine:
             self._finish_all(live, reason(live.stream) or "cancelled")
 
     def _admit(self) -> None:
-        """Waiting requests become live, in order, while slots and cells allow."""
+        """Waiting requests become live, in order, while slots and cells allow. When the queue's head is left
+        waiting, prefilling requests whose prefix it waits to share stop at its end this step
+        (:func:`kvrt.runtime.admission.share_stops`)."""
+        self._stops = {}
         while True:
             with self._lock:
                 pending = self._queue.head()
@@ -397,6 +410,7 @@ class Engine:
                 pending.end("error", exc)
                 continue
             if live is None:
+                self._stops = share_stops(self.cache, pending, self._live, self.config.prefill_chunk)
                 return
             with self._lock:
                 self._queue.take(pending)
@@ -410,7 +424,7 @@ class Engine:
     def _lay_out(self, *, pad: bool = True) -> StepBatch:
         """This step's batch, of the running requests (see :mod:`kvrt.runtime.step_layout`); ``pad``: pads may
         fill the split layout's idle slots between its sequences."""
-        return self._filler.fill(self._live, self._steps, self.ctx, self.cache, pad=pad)
+        return self._filler.fill(self._live, self._steps, self.ctx, self.cache, pad=pad, stops=self._stops)
 
     def _decode(self, step: StepBatch) -> StepBatch | None:
         """``ctx.decode`` of the batch: the step decoded, or ``None`` when it failed and the requests in it did

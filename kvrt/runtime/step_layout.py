@@ -2,7 +2,8 @@
 
 What: :meth:`BatchFiller.fill` lays out a step of :class:`kvrt.runtime.batching.Engine`: the last sampled token of
 every decoding choice, then prompt chunks of at most ``prefill_chunk`` tokens per request, round robin, up to
-``n_batch`` tokens (split layout: rows in slot order, so llama.cpp computes consecutive streams together). While an
+``n_batch`` tokens (split layout: rows in slot order, so llama.cpp computes consecutive streams together), a chunk
+ending at its request's stop if the engine gave one (:func:`prompt_feed`). While an
 ``exact`` request prefills, the step holds one chunk of one of them (round robin) and nothing else: llama.cpp's CPU
 kernels round by micro-batch shape, and this is the shape a cold prefill gives the chunk. In the split layout the
 slots between the step's sequences may be filled, when that makes the step read fewer bytes a token
@@ -24,7 +25,7 @@ the fill and the decode: the caller removes them (:meth:`PrefixCache.unpad`) aft
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvrt.engine.batch import Batch
@@ -80,10 +81,11 @@ class BatchFiller:
         self._weight_bytes, self._cell_bytes = model.size_bytes, geometry.kv_bytes_per_token()
 
     def fill(self, running: Sequence[Live], turn: int, ctx: Context, cache: PrefixCache, *,
-             pad: bool = True) -> StepBatch:
+             pad: bool = True, stops: Mapping[int, int] | None = None) -> StepBatch:
         """The step of the ``running`` requests (in admission order), written into the batch. ``turn`` (the step
         count) picks whose prompt chunk comes first, and which exact request prefills alone; ``pad``: pads may be
-        added (with ``pad_gaps``)."""
+        added (with ``pad_gaps``); ``stops``: slot -> the prompt position its request's chunk ends at, at the latest
+        (:func:`kvrt.runtime.admission.share_stops`)."""
         owners: list[tuple[Live, Choice | None]] = []
         feeds: list[Feed] = []
         prefilling = [live for live in running if live.prefilling]
@@ -100,7 +102,7 @@ class BatchFiller:
         first = turn % len(prefilling) if prefilling else 0
         for live in prefilling[first:] + prefilling[:first]:
             owners.append((live, None))
-            feeds.append(Feed(live.slot, 0, live.prompt, logits=not live.pin, done=live.prefilled))
+            feeds.append(prompt_feed(live, (stops or {}).get(live.slot)))
         chunk, budget = self.chunk, ctx.n_batch
         if self.even_chunks and not cache.shared and not exact:
             chunk, budget = even_chunks(feeds, decoding, budget=budget, chunk=chunk,
@@ -165,6 +167,15 @@ def _one_token(feed: Feed) -> Feed:
     end = feed.done + 1
     return Feed(feed.seq, feed.pos, feed.tokens[:end], logits=feed.logits and end == len(feed.tokens),
                 done=feed.done)
+
+
+def prompt_feed(live: Live, stop: int | None = None) -> Feed:
+    """The rest of ``live``'s prompt as a feed, cut at ``stop`` when that lies inside it (then without logits: the
+    prompt goes on in a later step). A ``stop`` at or before what is prefilled is ignored, so the feed never comes
+    out empty: :func:`kvrt.engine.decode_step.fill` stops at the first feed that gets no token."""
+    if stop is None or not live.prefilled < stop < len(live.prompt):
+        return Feed(live.slot, 0, live.prompt, logits=not live.pin, done=live.prefilled)
+    return Feed(live.slot, 0, live.prompt[:stop], logits=False, done=live.prefilled)
 
 
 def even_chunks(feeds: Sequence[Feed], decoding: int, *, budget: int, chunk: int,
