@@ -287,7 +287,7 @@ ROWS = (
         "same GGUF, libllama and cells (H200: 163,840, flash attention on; CPU: the demo model); wall time (kvrt "
         "faster by), and batched-bench's ideal / kvrt",
         Cell(lambda f: peer(f, H200_PEER), H200_PEER, "h200-2026-12-05"),
-        Cell(lambda f: peer(f, CPU_PEER), CPU_PEER, "cpu-2026-12-06"), "-"),
+        Cell(lambda f: peer(f, CPU_PEER), CPU_PEER, "cpu-2026-12-06b"), "-"),
     Row("the same on an NVIDIA H100 80GB (this column's only H100 figures: the GPU lent on 2026-12-05), N = 32, "
         "commit e3c6042 (step traces: `bench/RESULTS.md`)",
         Cell(lambda f: peer(f, H100_PEER), H100_PEER, "h100-2026-12-05"), None, "-"),
