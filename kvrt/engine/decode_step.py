@@ -40,6 +40,11 @@ class Feed:
     def finished(self) -> bool:
         return self.done >= len(self.tokens)
 
+    def until(self, end: int) -> Feed:
+        """This feed ending at ``tokens[end]`` (exclusive): its logits wanted only where that is still its end."""
+        return Feed(self.seq, self.pos, self.tokens[:end], logits=self.logits and end >= len(self.tokens),
+                    done=self.done)
+
 
 @dataclass(frozen=True)
 class Landed:

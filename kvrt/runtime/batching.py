@@ -41,6 +41,7 @@ slot placement in :mod:`kvrt.runtime.admission`, its phase times in
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -393,12 +394,12 @@ class Engine:
         while True:
             with self._lock:
                 pending = self._queue.head()
-                waiting = [p.stream.request for p in self._queue if p is not pending][:self.config.n_seq_max]
             if pending is None:
                 return
             try:
                 if not self._layout_policy.admits(pending.stream.request, self.cache, self.config,
-                                                  running=bool(self._live), waiting=waiting):
+                                                  running=bool(self._live),
+                                                  waiting=functools.partial(self._waiting_behind, pending)):
                     return
                 reserved = sum(live.future_cells() for live in self._live)
                 coming = max((common_prefix(x.request.prompt_array, pending.stream.request.prompt_array)
@@ -420,6 +421,13 @@ class Engine:
             if live.pin and not live.prefilling:  # its whole prompt was cached: no prefill row will ever land
                 self._pin_slot(live)
                 self._end(live)
+
+    def _waiting_behind(self, head: Pending) -> list[Request]:
+        """The requests queued behind ``head``, the next ``n_seq_max - 1`` in queue order (what a layout switch
+        is chosen for, :class:`LayoutPolicy`)."""
+        with self._lock:
+            behind = (p.stream.request for p in self._queue if p is not head)
+            return list(itertools.islice(behind, self.config.n_seq_max - 1))
 
     def _lay_out(self, *, pad: bool = True) -> StepBatch:
         """This step's batch, of the running requests (see :mod:`kvrt.runtime.step_layout`); ``pad``: pads may

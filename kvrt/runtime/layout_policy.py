@@ -23,7 +23,7 @@ split.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvrt.prefixes import common_prefix
 from kvrt.runtime.admission import EngineConfig, Layout, fits_a_slot
@@ -41,11 +41,12 @@ class LayoutPolicy:
         self._split_failed = False  # the n_seq_max streams could not be made again: no further tries
 
     def admits(self, request: Request, cache: PrefixCache, config: EngineConfig, *, running: bool,
-               waiting: Sequence[Request] = ()) -> bool:
+               waiting: Callable[[], Sequence[Request]] = tuple) -> bool:
         """Whether ``request``, the head of the queue, may be placed in the current layout; False: it waits, and
         :attr:`switch_to` says whether a switch is due first: a roomier layout (:func:`_roomier`, for the
-        requests ``waiting`` behind it too) for one that needs more than a slot's stream once nothing runs, the
-        ``n_seq_max`` streams for one that fits them and gains little from what is cached (see :func:`_split_now`).
+        requests ``waiting()`` behind it too, asked for only then) for one that needs more than a slot's stream
+        once nothing runs, the ``n_seq_max`` streams for one that fits them and gains little from what is cached
+        (see :func:`_split_now`).
         Raises :class:`RequestTooLarge` when pinned prefixes hold the split layout such a request cannot use."""
         if not self._split_failed and _split_now(request, cache, config, running=running):
             self.switch_to = config.split_layout
@@ -57,7 +58,7 @@ class LayoutPolicy:
                                   f"({request.params.max_tokens}) exceeds a slot's {cache.slot_cells} cells, "
                                   "and pinned prefixes keep the context split; unpin them to run it")
         if not running:
-            self.switch_to = _roomier(request, waiting, config)
+            self.switch_to = _roomier(request, waiting(), config)
         return False
 
     def idle(self, now: float, cache: PrefixCache, config: EngineConfig, *, queued: bool, running: bool) -> None:

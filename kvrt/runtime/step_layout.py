@@ -148,8 +148,7 @@ def fill_gaps(feeds: Sequence[Feed], decoding: int, *, budget: int, chunk: int,
     def per_token(option: tuple[list[int], list[Feed], list[Feed]]) -> float:
         _, fed, pads = option
         chosen = takes([*fed[:decoding], *pads, *fed[decoding:]], budget=budget, chunk=chunk)
-        shape = sorted((feed.seq, take) for feed, take in chosen)
-        return cost(shape) / max(1, sum(take for _, take in chosen) - len(pads))
+        return _bytes_per_token(chosen, cost, throwaway=len(pads))
 
     given = list(range(len(feeds)))
     options = [(given, list(feeds), []), (given, list(feeds), pads_for(list(feeds)))]
@@ -157,25 +156,17 @@ def fill_gaps(feeds: Sequence[Feed], decoding: int, *, budget: int, chunk: int,
     waiting = {i for i in range(len(seqs), len(feeds)) if seqs and min(seqs) < feeds[i].seq < max(seqs)}
     if waiting:
         order = [*range(decoding), *sorted(waiting), *(i for i in range(decoding, len(feeds)) if i not in waiting)]
-        filled = [_one_token(feeds[i]) if i in waiting else feeds[i] for i in order]
+        filled = [feeds[i].until(feeds[i].done + 1) if i in waiting else feeds[i] for i in order]
         options.append((order, filled, pads_for(filled)))
     return min(options, key=per_token)  # the first of equals: the layout as given
-
-
-def _one_token(feed: Feed) -> Feed:
-    """``feed`` (a prompt's) cut to its next token; its logits only where that token ends the prompt."""
-    end = feed.done + 1
-    return Feed(feed.seq, feed.pos, feed.tokens[:end], logits=feed.logits and end == len(feed.tokens),
-                done=feed.done)
 
 
 def prompt_feed(live: Live, stop: int | None = None) -> Feed:
     """The rest of ``live``'s prompt as a feed, cut at ``stop`` when that lies inside it (then without logits: the
     prompt goes on in a later step). A ``stop`` at or before what is prefilled is ignored, so the feed never comes
     out empty: :func:`kvrt.engine.decode_step.fill` stops at the first feed that gets no token."""
-    if stop is None or not live.prefilled < stop < len(live.prompt):
-        return Feed(live.slot, 0, live.prompt, logits=not live.pin, done=live.prefilled)
-    return Feed(live.slot, 0, live.prompt[:stop], logits=False, done=live.prefilled)
+    feed = Feed(live.slot, 0, live.prompt, logits=not live.pin, done=live.prefilled)
+    return feed.until(stop) if stop is not None and live.prefilled < stop < len(live.prompt) else feed
 
 
 def even_chunks(feeds: Sequence[Feed], decoding: int, *, budget: int, chunk: int,
@@ -188,12 +179,9 @@ def even_chunks(feeds: Sequence[Feed], decoding: int, *, budget: int, chunk: int
     Why: llama.cpp gives every sequence of a micro-batch the same number of tokens, so prompt chunks of 512, 512,
     512 and 511 (a decode row took one token of a 2,048 budget) split into six micro-batches where four of 511 make
     five, each a pass over all the weights (GPU traces: 110 against 91 ms a step)."""
-    def shape(cap: int, room: int) -> list[tuple[int, int]]:
-        return sorted((feed.seq, take) for feed, take in takes(feeds, budget=room, chunk=cap))
-
     def per_token(option: tuple[int, int]) -> float:
-        rows = shape(*option)
-        return cost(rows) / max(1, sum(tokens for _, tokens in rows))
+        cap, room = option
+        return _bytes_per_token(takes(feeds, budget=room, chunk=cap), cost)
 
     chosen = takes(feeds, budget=budget, chunk=chunk)
     if len(chosen) - decoding < 2:
@@ -203,6 +191,15 @@ def even_chunks(feeds: Sequence[Feed], decoding: int, *, budget: int, chunk: int
         return chunk, budget
     options = [(chunk, budget), (cut, budget), (chunk, budget - cut)]
     return min(options, key=per_token)  # the first of equals: the layout as given
+
+
+def _bytes_per_token(chosen: Sequence[tuple[Feed, int]], cost: Callable[[list[tuple[int, int]]], int], *,
+                     throwaway: int = 0) -> float:
+    """What a step of ``chosen`` (feeds and the tokens each gives, as :func:`takes` returns them) reads by ``cost``
+    (of its shape, (slot, tokens) in slot order), per token of the requests: ``throwaway`` of its tokens are
+    pads. How :func:`fill_gaps` and :func:`even_chunks` compare the layouts they choose between."""
+    shape = sorted((feed.seq, take) for feed, take in chosen)
+    return cost(shape) / max(1, sum(take for _, take in chosen) - throwaway)
 
 
 def sample_where(ctx: Context, rows: Sequence[Row]) -> int:
