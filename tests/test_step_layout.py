@@ -65,9 +65,28 @@ def test_a_decode_row_that_cuts_the_last_chunk_short_evens_all_of_them():
     feeds = step_feeds([5], [6, 7, 8, 9], 4096)
     assert len(split_of(feeds, 512, 2048)) == 6  # 1 + 3 x 128 + 127 + 1 of each: six weight passes
     chunk, budget = even_chunks(feeds, 1, budget=2048, chunk=512, cost=cost(4096))
-    assert (chunk, budget) == (511, 2048)
+    assert (chunk, budget) == (511, 2045)
     evened = split_of(feeds, chunk, budget)
     assert len(evened) == 5 and sum(sum(part.values()) for part in evened) == 2045
+
+
+def test_evening_frees_no_budget_for_a_chunk_more():
+    """The same step with more prompts waiting behind the four (a CPU replay of the H100 private run: 28 of them):
+    the three tokens the cap frees must not go to a fifth chunk, which would cost a micro-batch of its own."""
+    feeds = step_feeds([4], [7, 8, 9, 10] + list(range(11, 32)), 4096)
+    chunk, budget = even_chunks(feeds, 1, budget=2048, chunk=512, cost=cost(4096))
+    evened = split_of(feeds, chunk, budget)
+    assert len(split_of(feeds, 512, 2048)) == 6 and len(evened) == 5
+    assert [part for part in evened if 11 in part] == []  # no chunk of a fifth prompt
+
+
+def test_a_prompt_ending_inside_its_chunk_sets_the_length_of_all_of_them():
+    """A replayed step: chunks of 510 (the end of slot 0's prompt), 512 and 512 in slots 0-2, a decode row in slot
+    4, a chunk in slot 31: the run of slots 0-2 splits 3 x 170 then 2 x 2 (six passes); capped at 510, five."""
+    feeds = [Feed(4, 100, (7,)), Feed(0, 0, tuple(range(4096)), done=3586)] + step_feeds([], [1, 2, 31], 4096)
+    assert len(split_of(feeds, 512, 2048)) == 6
+    chunk, budget = even_chunks(feeds, 1, budget=2048, chunk=512, cost=cost(4096))
+    assert (chunk, budget) == (510, 2041) and len(split_of(feeds, chunk, budget)) == 5
 
 
 def test_a_chunk_cut_to_a_sliver_waits_for_the_next_step():

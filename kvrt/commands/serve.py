@@ -112,8 +112,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "weights; llama.cpp puts only consecutive slots in one) without costing more attention "
                              "than the weight passes it saves")
     parser.add_argument("--even-chunks", choices=("on", "off"), default="on",
-                        help="split layout: a step whose token budget cuts its last prompt chunk short gives every "
-                             "chunk that length, or leaves that chunk to the next step, when that makes fewer or "
+                        help="split layout: a step whose prompt chunks come out of different lengths (the token "
+                             "budget cut the last one short, or a prompt ends inside its chunk) gives every chunk a "
+                             "shorter one's length, or leaves the last to the next step, when that makes fewer or "
                              "fuller llama.cpp micro-batches (it gives each sequence of one the same number of tokens)")
     parser.add_argument("--backend-sampling", choices=("on", "off"), default="off",
                         help="greedy requests without logprobs get their next token picked inside llama.cpp's "

@@ -59,8 +59,8 @@ class EngineConfig:
     whose sequences leave slots between them gives each idle one a throwaway token, removed after the step, and
     each prefilling one its budget left out a token of its prompt, when that makes the step read fewer bytes a
     token (:func:`kvrt.runtime.step_layout.fill_gaps`).
-    ``even_chunks``: in the split layout, a step whose budget cuts its last prompt chunk short caps every chunk at
-    that length, or leaves that chunk out, when that reads fewer bytes a token
+    ``even_chunks``: in the split layout, a step whose prompt chunks come out of different lengths caps every chunk
+    at a shorter one's length, or leaves the last chunk out, when that reads fewer bytes a token
     (:func:`kvrt.runtime.step_layout.even_chunks`).
     ``backend_sampling``: a step's plain greedy rows (no logprobs) are picked inside llama.cpp's decode graph
     (:meth:`kvrt.engine.context.Context.sample_on_device`), so no row of logits is copied out or scanned on the

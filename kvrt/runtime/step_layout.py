@@ -9,8 +9,8 @@ kernels round by micro-batch shape, and this is the shape a cold prefill gives t
 slots between the step's sequences may be filled, when that makes the step read fewer bytes a token
 (:func:`fill_gaps`): an idle one with a throwaway token (a pad, see
 :meth:`kvrt.runtime.prefix_cache.PrefixCache.padding`), a prefilling one the budget left out with a token of its
-prompt; and a prompt chunk the budget cuts short sets the length of all of them, or waits for the next step, when
-that reads fewer bytes a token (:func:`even_chunks`).
+prompt; and prompt chunks of different lengths (the budget cut one short, a prompt ends) are capped at a shorter
+one's length, or the last waits for the next step, when that reads fewer bytes a token (:func:`even_chunks`).
 :func:`sample_where` then says, row by row, whether llama.cpp samples it in the decode's graph.
 
 Why apart: how a step is packed (chunks, turns, pads, the bytes a step reads) is decided from the running requests
@@ -172,9 +172,11 @@ def prompt_feed(live: Live, stop: int | None = None) -> Feed:
 def even_chunks(feeds: Sequence[Feed], decoding: int, *, budget: int, chunk: int,
                 cost: Callable[[list[tuple[int, int]]], int]) -> tuple[int, int]:
     """The ``(chunk, budget)`` to fill a split-layout step of ``feeds`` (the first ``decoding`` of them one-token
-    decode feeds) with: as given, or, when the budget cuts the last prompt chunk short, every chunk capped at that
-    one's length, or that chunk left to the next step, whichever reads the fewest bytes a token (``cost``: the
-    bytes a step of a shape, (slot, tokens) in slot order, reads).
+    decode feeds) with, when its prompt chunks come out of different lengths (the budget cut the last one short, or
+    a prompt ends inside its chunk): as given; every chunk capped at one of the shorter lengths, the budget cut to
+    exactly what the capped chunks take (so no further chunk joins the step with the tokens freed); or the last
+    chunk left to the next step; whichever reads the fewest bytes a token (``cost``: the bytes a step of a shape,
+    (slot, tokens) in slot order, reads).
 
     Why: llama.cpp gives every sequence of a micro-batch the same number of tokens, so prompt chunks of 512, 512,
     512 and 511 (a decode row took one token of a 2,048 budget) split into six micro-batches where four of 511 make
@@ -184,12 +186,11 @@ def even_chunks(feeds: Sequence[Feed], decoding: int, *, budget: int, chunk: int
         return _bytes_per_token(takes(feeds, budget=room, chunk=cap), cost)
 
     chosen = takes(feeds, budget=budget, chunk=chunk)
-    if len(chosen) - decoding < 2:
+    lengths = [take for _, take in chosen[decoding:]]
+    if len(lengths) < 2 or min(lengths) == max(lengths):
         return chunk, budget
-    last, cut = chosen[-1]
-    if cut >= min(last.left, chunk):  # the last chunk is whole: nothing to even
-        return chunk, budget
-    options = [(chunk, budget), (cut, budget), (chunk, budget - cut)]
+    options = [(chunk, budget), (chunk, budget - lengths[-1])]
+    options += [(cap, decoding + sum(min(take, cap) for take in lengths)) for cap in sorted(set(lengths))[:-1]]
     return min(options, key=per_token)  # the first of equals: the layout as given
 
 
