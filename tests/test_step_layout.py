@@ -64,7 +64,7 @@ def test_a_decode_row_that_cuts_the_last_chunk_short_evens_all_of_them():
     """The H100 trace's case: one decode row and four 512-token chunks in 2,048 tokens (the last cut to 511)."""
     feeds = step_feeds([5], [6, 7, 8, 9], 4096)
     assert len(split_of(feeds, 512, 2048)) == 6  # 1 + 3 x 128 + 127 + 1 of each: six weight passes
-    chunk, budget = even_chunks(feeds, 1, budget=2048, chunk=512, cost=cost(4096))
+    chunk, budget = even_chunks(feeds, 1, budget=2048, chunk=512, ubatch=512, cost=cost(4096))
     assert (chunk, budget) == (511, 2045)
     evened = split_of(feeds, chunk, budget)
     assert len(evened) == 5 and sum(sum(part.values()) for part in evened) == 2045
@@ -74,7 +74,7 @@ def test_evening_frees_no_budget_for_a_chunk_more():
     """The same step with more prompts waiting behind the four (a CPU replay of the H100 private run: 28 of them):
     the three tokens the cap frees must not go to a fifth chunk, which would cost a micro-batch of its own."""
     feeds = step_feeds([4], [7, 8, 9, 10] + list(range(11, 32)), 4096)
-    chunk, budget = even_chunks(feeds, 1, budget=2048, chunk=512, cost=cost(4096))
+    chunk, budget = even_chunks(feeds, 1, budget=2048, chunk=512, ubatch=512, cost=cost(4096))
     evened = split_of(feeds, chunk, budget)
     assert len(split_of(feeds, 512, 2048)) == 6 and len(evened) == 5
     assert [part for part in evened if 11 in part] == []  # no chunk of a fifth prompt
@@ -85,21 +85,39 @@ def test_a_prompt_ending_inside_its_chunk_sets_the_length_of_all_of_them():
     4, a chunk in slot 31: the run of slots 0-2 splits 3 x 170 then 2 x 2 (six passes); capped at 510, five."""
     feeds = [Feed(4, 100, (7,)), Feed(0, 0, tuple(range(4096)), done=3586)] + step_feeds([], [1, 2, 31], 4096)
     assert len(split_of(feeds, 512, 2048)) == 6
-    chunk, budget = even_chunks(feeds, 1, budget=2048, chunk=512, cost=cost(4096))
+    chunk, budget = even_chunks(feeds, 1, budget=2048, chunk=512, ubatch=512, cost=cost(4096))
     assert (chunk, budget) == (510, 2041) and len(split_of(feeds, chunk, budget)) == 5
+
+
+def test_three_chunks_in_consecutive_slots_no_longer_leave_a_micro_batch_of_slivers():
+    """A prompt-only step of four 512-token chunks in slots 16 and 20-22 (decoding slots between them): llama.cpp
+    gives each of the three consecutive ones 170 tokens a micro-batch, so 512 leaves a micro-batch of 2 each (five
+    for 2,048 tokens). Capped at 510 they split into three (four for 2,040); the third left to the next step, the
+    rest make three for 1,536. The model finds those two equal to a byte: either beats the five."""
+    feeds = step_feeds([], [16, 20, 21, 22], 4096)
+    assert len(split_of(feeds, 512, 2048)) == 5
+    assert len(split_of(feeds, 510, 2040)) == 4 and len(split_of(feeds, 512, 1536)) == 3
+    chunk, budget = even_chunks(feeds, 0, budget=2048, chunk=512, ubatch=512, cost=cost(2048))
+    assert (chunk, budget) in ((510, 2040), (512, 1536))
+
+
+def test_a_lone_chunk_is_never_left_out():
+    """One prompt chunk and no decode rows: leaving it to the next step would leave the step empty."""
+    feeds = step_feeds([], [3], 4096)
+    assert even_chunks(feeds, 0, budget=2048, chunk=512, ubatch=512, cost=cost(0)) == (512, 2048)
 
 
 def test_a_chunk_cut_to_a_sliver_waits_for_the_next_step():
     feeds = step_feeds([], [0, 1, 2], 4096)  # 512 + 512 + 8: 3 x 8, then 2 x 256, 2 x 248
     assert len(split_of(feeds, 512, 1032)) == 3 and len(split_of(feeds, 8, 1032)) == 1
-    assert even_chunks(feeds, 0, budget=1032, chunk=512, cost=cost(1024)) == (512, 1024)  # 2 x 512 in two
+    assert even_chunks(feeds, 0, budget=1032, chunk=512, ubatch=512, cost=cost(1024)) == (512, 1024)  # 2 x 512 in two
 
 
 def test_whole_chunks_and_single_chunks_are_left_as_they_are():
     short = step_feeds([0], [1, 2, 3], 100)  # every prompt ends inside the budget
-    assert even_chunks(short, 1, budget=2048, chunk=512, cost=cost(0)) == (512, 2048)
+    assert even_chunks(short, 1, budget=2048, chunk=512, ubatch=512, cost=cost(0)) == (512, 2048)
     one = step_feeds([0, 1], [2], 4096)  # one prompt chunk: nothing to even it with
-    assert even_chunks(one, 2, budget=64, chunk=512, cost=cost(0)) == (512, 64)
+    assert even_chunks(one, 2, budget=64, chunk=512, ubatch=512, cost=cost(0)) == (512, 64)
 
 
 @pytest.mark.parametrize("even", [True, False])
@@ -112,8 +130,8 @@ def test_evened_steps_give_every_request_a_fresh_contexts_tokens(tiny_model, mon
 
     chosen: list[tuple[tuple[int, int], tuple[int, int]]] = []
 
-    def watched(feeds, decoding, *, budget, chunk, cost):
-        choice = even_chunks(feeds, decoding, budget=budget, chunk=chunk, cost=cost)
+    def watched(feeds, decoding, *, budget, chunk, ubatch, cost):
+        choice = even_chunks(feeds, decoding, budget=budget, chunk=chunk, ubatch=ubatch, cost=cost)
         chosen.append(((chunk, budget), choice))
         return choice
 
@@ -146,10 +164,47 @@ def test_steps_with_gap_tokens_give_every_request_a_fresh_contexts_tokens(tiny_m
     monkeypatch.setattr(step_layout, "fill_gaps", watched)
     prompts = [tiny_model.tokenize(f"short {i}") if i % 2 == 0 else
                tiny_model.tokenize(f"prompt {i} " + "goes on and on " * 10) for i in range(8)]
-    with engine(tiny_model, n_ctx=2048, n_seq_max=8, n_batch=48, prefill_chunk=16, kv_layout="split") as eng:
+    with engine(tiny_model, n_ctx=2048, n_seq_max=8, n_batch=48, prefill_chunk=16, kv_layout="split",
+                decode_wait_s=0) as eng:  # decode rows in every step: the steps with gaps between them
         streams = [eng.submit(Request(p, greedy(12))) for p in prompts]
         outputs = [s.result(60.0).choices[0].tokens for s in streams]
         for slot in range(8):
             assert eng.ctx.seq_pos_max(slot) == eng.cache.held(slot) - 1
     assert max(gap_tokens) > 0
     assert outputs == [alone(tiny_model, p, greedy(12)) for p in prompts]
+
+
+@pytest.mark.parametrize("wait_s", [0.0, 1000.0])
+def test_decode_rows_sit_out_steps_that_prompts_fill_for_at_most_the_wait(tiny_model, monkeypatch, wait_s):
+    """One short prompt (decoding after a step or two) beside three long ones that fill every step's 48 tokens in
+    chunks of 16: with ``decode_wait_s=0`` every step carries the decode row; with a wait longer than the run, only
+    the first step with a decoder does until the long prompts stop filling steps. Every output equals a fresh
+    context's either way, and llama.cpp's memory holds what the engine's mirror says."""
+    from kvrt.runtime import step_layout
+
+    steps: list[tuple[int, int, int]] = []  # (decoders waiting, decode rows carried, prompt tokens the step could take)
+    fill = step_layout.BatchFiller.fill
+
+    def watched(self, running, turn, ctx, cache, **kw):
+        step = fill(self, running, turn, ctx, cache, **kw)
+        decoders = sum(c.pending is not None for live in running for c in live.choices)
+        prompt_work = sum(min(len(live.prompt) - live.prefilled, self.chunk) for live in running if live.prefilling)
+        steps.append((decoders, sum(r.choice is not None for r in step.rows), prompt_work))
+        return step
+
+    monkeypatch.setattr(step_layout.BatchFiller, "fill", watched)
+    prompts = [tiny_model.tokenize("a short one")] + [tiny_model.tokenize(f"prompt {i} " + "goes on and on " * 12)
+                                                       for i in range(3)]
+    with engine(tiny_model, n_seq_max=4, n_batch=48, prefill_chunk=16, kv_layout="split",
+                decode_wait_s=wait_s) as eng:
+        streams = [eng.submit(Request(p, greedy(n))) for p, n in zip(prompts, (12, 4, 4, 4))]
+        outputs = [s.result(60.0).choices[0].tokens for s in streams]
+        for slot in range(4):
+            assert eng.ctx.seq_pos_max(slot) == eng.cache.held(slot) - 1
+    full = [(decoders, rows) for decoders, rows, work in steps if decoders and work >= 48]
+    assert len(full) >= 3  # the long prompts kept steps full while the short one decoded
+    if wait_s:
+        assert [rows for _, rows in full] == [1] + [0] * (len(full) - 1)
+    else:
+        assert all(rows == decoders for decoders, rows in full)
+    assert outputs == [alone(tiny_model, p, greedy(n)) for p, n in zip(prompts, (12, 4, 4, 4))]

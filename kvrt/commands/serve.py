@@ -116,6 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "budget cut the last one short, or a prompt ends inside its chunk) gives every chunk a "
                              "shorter one's length, or leaves the last to the next step, when that makes fewer or "
                              "fuller llama.cpp micro-batches (it gives each sequence of one the same number of tokens)")
+    parser.add_argument("--decode-wait-s", type=seconds(zero=True), default=0.5,
+                        help="split layout: while prompt chunks fill whole steps, decoding requests sit out the steps "
+                             "that come less than this long after one that decoded them, since decode rows beside "
+                             "prompt chunks cost llama.cpp a pass over all the weights of their own; their tokens "
+                             "then come this far apart while others' prompts are computed (0: decode every step)")
     parser.add_argument("--backend-sampling", choices=("on", "off"), default="off",
                         help="greedy requests without logprobs get their next token picked inside llama.cpp's "
                              "decode graph (llama.cpp's backend sampling), so no row of logits (4 bytes a vocabulary "
@@ -226,7 +231,7 @@ def _start_socket(args: argparse.Namespace, registry: ModelRegistry, budget: Bud
             n_ctx=args.batch_cells, n_seq_max=args.batch_slots, n_threads=args.threads,
             host_bytes=args.batch_host_mib << 20, kv_layout=args.kv_layout,
             pad_gaps=args.pad_gaps == "on", even_chunks=args.even_chunks == "on",
-            backend_sampling=args.backend_sampling == "on",
+            decode_wait_s=args.decode_wait_s, backend_sampling=args.backend_sampling == "on",
             host_write_behind=args.host_write_behind == "on"),
             state_dir=args.state_dir)
     else:

@@ -191,6 +191,8 @@ class Model(OwnsHandle):
         self._contexts: weakref.WeakSet[OwnsHandle] = weakref.WeakSet()
         self._fingerprint: ModelFingerprint | None = None
         self._digest = FileDigest(self.path)
+        self._pieces: dict[int, bytes] = {}  # token -> its bytes (special=False): a vocabulary never changes
+        self._eog: dict[int, bool] = {}  # token -> whether it ends generation
 
     @classmethod
     def from_llama_cpp(cls, llm: Any) -> Model:
@@ -203,6 +205,7 @@ class Model(OwnsHandle):
         self._contexts = weakref.WeakSet()
         self._fingerprint = None
         self._digest = FileDigest(self.path)
+        self._pieces, self._eog = {}, {}
         return self
 
     # -- lifetime -------------------------------------------------------------------
@@ -315,7 +318,16 @@ class Model(OwnsHandle):
         return list(ffi.unpack(buf, n))
 
     def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
-        """The bytes of one token (may be part of a UTF-8 character)."""
+        """The bytes of one token (may be part of a UTF-8 character). Remembered per token (``special=False``):
+        every sampled token is turned into text, and a lookup costs a fraction of llama.cpp's call through cffi."""
+        piece = None if special else self._pieces.get(token)
+        if piece is None:
+            piece = self._piece(token, special)
+            if not special:
+                self._pieces[token] = piece
+        return piece
+
+    def _piece(self, token: int, special: bool) -> bytes:
         self.check_token(token)
         buf = ffi.new("char[]", 64)
         n = lib().llama_token_to_piece(self.vocab, token, buf, 64, 0, special)
@@ -345,7 +357,13 @@ class Model(OwnsHandle):
         return self.token_to_piece(token, special=True).decode("utf-8", "replace") if token >= 0 else ""
 
     def is_eog(self, token: int) -> bool:
-        """True for end-of-generation tokens (EOS, EOT, ...)."""
+        """True for end-of-generation tokens (EOS, EOT, ...); remembered per token, like :meth:`token_to_piece`."""
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = self._is_eog(token)
+        return eog
+
+    def _is_eog(self, token: int) -> bool:
         return bool(lib().llama_vocab_is_eog(self.vocab, token))
 
     def check_token(self, token: int) -> None:
@@ -367,5 +385,5 @@ def _guarded(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-for _name in ("tokenize", "token_to_piece", "detokenize", "is_eog", "meta"):
+for _name in ("tokenize", "_piece", "detokenize", "_is_eog", "meta"):
     setattr(Model, _name, _guarded(getattr(Model, _name)))

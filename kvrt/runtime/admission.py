@@ -62,6 +62,10 @@ class EngineConfig:
     ``even_chunks``: in the split layout, a step whose prompt chunks come out of different lengths caps every chunk
     at a shorter one's length, or leaves the last chunk out, when that reads fewer bytes a token
     (:func:`kvrt.runtime.step_layout.even_chunks`).
+    ``decode_wait_s``: in the split layout, while prompt chunks fill whole steps, decoding choices sit out the
+    steps that come less than this long after one that carried them: each step with decode rows beside prompt
+    chunks reads the weights once more for them (:meth:`kvrt.runtime.step_layout.BatchFiller._decodes_now`); 0:
+    they join every step.
     ``backend_sampling``: a step's plain greedy rows (no logprobs) are picked inside llama.cpp's decode graph
     (:meth:`kvrt.engine.context.Context.sample_on_device`), so no row of logits is copied out or scanned on the
     host for them. ``host_write_behind`` (with ``host_bytes``): while nothing runs or waits, cached slots are
@@ -81,6 +85,7 @@ class EngineConfig:
     split_after_idle_s: float = 2.0  # longer than an agent's pause between turns: a switch drops the cache
     pad_gaps: bool = True  # split: slots between a step's sequences get a pad or a prompt token (see above)
     even_chunks: bool = True  # split: a step's prompt chunks evened when that reads fewer bytes a token (see above)
+    decode_wait_s: float = 0.5  # split: how long decode rows may sit out steps that prompt chunks fill (see above)
     backend_sampling: bool = False  # plain greedy rows picked in the decode's graph (see above)
     host_write_behind: bool = True  # an idle engine copies cached slots to the host tier before they are evicted
 
@@ -96,9 +101,10 @@ class EngineConfig:
         if self.n_batch < self.n_seq_max:
             raise EngineError(f"n_batch ({self.n_batch}) must be >= n_seq_max ({self.n_seq_max}): every decoding "
                               "sequence puts one token into each step's batch")
-        idle = self.split_after_idle_s
-        if isinstance(idle, bool) or not isinstance(idle, (int, float)) or not 0 <= idle < float("inf"):
-            raise EngineError(f"EngineConfig.split_after_idle_s must be a finite number >= 0, got {idle!r}")
+        for name in ("split_after_idle_s", "decode_wait_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise EngineError(f"EngineConfig.{name} must be a finite number >= 0, got {value!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise EngineError(f"EngineConfig.kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.kv_layout == "split" and not self.split_cells:

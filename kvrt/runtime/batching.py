@@ -130,7 +130,7 @@ class Engine:
         self._steps = self._prefilled = self._reused = self._restored = self._decoded = self._relayouts = 0
         self._micro_batches = self._sampled_on_device = self._sampler_switches = 0
         self._filler = BatchFiller(self.batch, model, chunk=self.config.prefill_chunk, pad_gaps=self.config.pad_gaps,
-                                   even_chunks=self.config.even_chunks)
+                                   even_chunks=self.config.even_chunks, decode_wait_s=self.config.decode_wait_s)
         self._layout_policy = LayoutPolicy()
         self._clock = StepClock()
         self._thread = threading.Thread(target=self._run, name=f"kvrt-engine-{model.path.stem}", daemon=True)

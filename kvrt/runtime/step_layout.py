@@ -11,20 +11,25 @@ slots between the step's sequences may be filled, when that makes the step read 
 :meth:`kvrt.runtime.prefix_cache.PrefixCache.padding`), a prefilling one the budget left out with a token of its
 prompt; and prompt chunks of different lengths (the budget cut one short, a prompt ends) are capped at a shorter
 one's length, or the last waits for the next step, when that reads fewer bytes a token (:func:`even_chunks`).
-:func:`sample_where` then says, row by row, whether llama.cpp samples it in the decode's graph.
+:func:`sample_where` then says, row by row, whether llama.cpp samples it in the decode's graph. In the split
+layout, while prompt chunks fill whole steps, the decoding choices sit out the steps that come less than
+``decode_wait_s`` after one that carried them (:meth:`BatchFiller._decodes_now`).
 
 Why apart: how a step is packed (chunks, turns, pads, the bytes a step reads) is decided from the running requests
 and the cache's slots alone; the engine decodes what it gets, and this is the one place that packing is read or
 changed.
 
-Invariants: decode tokens go first, so a long prompt never delays them and pads and gap tokens take budget from
-prompt chunks only; they are added only when they lower the step's bytes read a token, and pads never cost a row:
-at most they shorten the last prompt chunk, by fewer tokens than it has. Pads exist in the context only between
-the fill and the decode: the caller removes them (:meth:`PrefixCache.unpad`) after the decode, failed or not.
+Invariants: decode tokens go first in a step that carries them, so a long prompt delays them by at most
+``decode_wait_s`` and a step; pads and gap tokens take budget from prompt chunks only; they are added only when
+they lower the step's bytes read a token, and pads never cost a row: at most they shorten the last prompt chunk, by
+fewer tokens than it has. Pads exist in the context only between the fill and the decode: the caller removes them
+(:meth:`PrefixCache.unpad`) after the decode, failed or not.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -72,11 +77,16 @@ class BatchFiller:
     """Lays out steps into ``batch`` (see the module docstring); ``model`` gives the bytes a step reads (its
     weights, and a cell's K/V) that decide whether pads and evened chunks pay off."""
 
-    def __init__(self, batch: Batch, model: Model, *, chunk: int, pad_gaps: bool, even_chunks: bool) -> None:
+    def __init__(self, batch: Batch, model: Model, *, chunk: int, pad_gaps: bool, even_chunks: bool,
+                 decode_wait_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.batch = batch
         self.chunk = chunk
         self.pad_gaps = pad_gaps
         self.even_chunks = even_chunks
+        self.decode_wait_s = decode_wait_s
+        self._clock = clock
+        self._decoded_at = -math.inf  # when a step last carried decode rows
+        self._decision = (-1, True)  # the last step asked about, and whether it carried them
         geometry = ModelGeometry(model.n_layer, model.n_embd, model.n_head, model.n_head_kv, model.n_vocab)
         self._weight_bytes, self._cell_bytes = model.size_bytes, geometry.kv_bytes_per_token()
 
@@ -86,26 +96,23 @@ class BatchFiller:
         count) picks whose prompt chunk comes first, and which exact request prefills alone; ``pad``: pads may be
         added (with ``pad_gaps``); ``stops``: slot -> the prompt position its request's chunk ends at, at the latest
         (:func:`kvrt.runtime.admission.share_stops`)."""
-        owners: list[tuple[Live, Choice | None]] = []
-        feeds: list[Feed] = []
         prefilling = [live for live in running if live.prefilling]
         exact = [live for live in prefilling if live.request.exact]
         if exact:
             prefilling = [exact[turn % len(exact)]]
-        else:
-            for live in running:
-                for choice in live.choices:
-                    if choice.pending is not None:
-                        owners.append((live, choice))
-                        feeds.append(Feed(choice.slot, choice.pos, (choice.pending,)))
-        decoding = len(feeds)
         first = turn % len(prefilling) if prefilling else 0
-        for live in prefilling[first:] + prefilling[:first]:
-            owners.append((live, None))
-            feeds.append(prompt_feed(live, (stops or {}).get(live.slot)))
+        prefilling = prefilling[first:] + prefilling[:first]
+        prompts = [prompt_feed(live, (stops or {}).get(live.slot)) for live in prefilling]
         chunk, budget = self.chunk, ctx.n_batch
+        decoders = [] if exact else [(live, choice) for live in running for choice in live.choices
+                                     if choice.pending is not None]
+        if decoders and not self._decodes_now(turn, prompts, budget, shared=cache.shared):
+            decoders = []
+        owners: list[tuple[Live, Choice | None]] = [*decoders, *((live, None) for live in prefilling)]
+        feeds = [Feed(choice.slot, choice.pos, (choice.pending,)) for _, choice in decoders] + prompts
+        decoding = len(decoders)
         if self.even_chunks and not cache.shared and not exact:
-            chunk, budget = even_chunks(feeds, decoding, budget=budget, chunk=chunk,
+            chunk, budget = even_chunks(feeds, decoding, budget=budget, chunk=chunk, ubatch=ctx.params.n_ubatch,
                                         cost=lambda shape: self._read_bytes(shape, ctx, cache))
         pads: list[Feed] = []
         if pad and self.pad_gaps and not exact and not cache.shared:
@@ -118,6 +125,26 @@ class BatchFiller:
         rows = [Row(live, -1 if part.row is None else part.row, choice, part.p0, part.p1)
                 for (live, choice), part in zip(owners, landed)]
         return StepBatch(rows, pads)
+
+    def _decodes_now(self, turn: int, prompts: Sequence[Feed], budget: int, *, shared: bool) -> bool:
+        """Whether step ``turn`` carries the decoding choices' rows: always, unless the layout is split, the
+        ``prompts`` fill the step's ``budget`` without them and a step carried them less than ``decode_wait_s``
+        ago (then they sit this step out). The step laid out again (without pads, after a failed decode) gets the
+        same answer.
+
+        Why: llama.cpp gives every sequence of a micro-batch the same number of tokens, so in the split layout
+        decode rows beside prompt chunks cost a pass over all the weights of their own; while prompts keep the
+        steps full, decoding every few steps instead of every step finishes the prompts sooner. 0 decodes every
+        step (llama-server's and vLLM's order); a long wait gives prompts the GPU first (SGLang's)."""
+        if self._decision[0] == turn:
+            return self._decision[1]
+        now = self._clock()
+        prompt_work = sum(min(feed.left, self.chunk) for feed in prompts)
+        decodes = shared or prompt_work < budget or now - self._decoded_at >= self.decode_wait_s
+        if decodes:
+            self._decoded_at = now
+        self._decision = (turn, decodes)
+        return decodes
 
     def _read_bytes(self, shape: list[tuple[int, int]], ctx: Context, cache: PrefixCache) -> int:
         """:func:`kvrt.engine.micro_batches.read_bytes` of a step of ``shape`` ((slot, tokens), in slot order): a pad
@@ -169,28 +196,37 @@ def prompt_feed(live: Live, stop: int | None = None) -> Feed:
     return feed.until(stop) if stop is not None and live.prefilled < stop < len(live.prompt) else feed
 
 
-def even_chunks(feeds: Sequence[Feed], decoding: int, *, budget: int, chunk: int,
+def even_chunks(feeds: Sequence[Feed], decoding: int, *, budget: int, chunk: int, ubatch: int,
                 cost: Callable[[list[tuple[int, int]]], int]) -> tuple[int, int]:
     """The ``(chunk, budget)`` to fill a split-layout step of ``feeds`` (the first ``decoding`` of them one-token
-    decode feeds) with, when its prompt chunks come out of different lengths (the budget cut the last one short, or
-    a prompt ends inside its chunk): as given; every chunk capped at one of the shorter lengths, the budget cut to
-    exactly what the capped chunks take (so no further chunk joins the step with the tokens freed); or the last
-    chunk left to the next step; whichever reads the fewest bytes a token (``cost``: the bytes a step of a shape,
-    (slot, tokens) in slot order, reads).
+    decode feeds) with: as given, or its prompt chunks capped at a length that splits evenly, the budget cut to
+    exactly what the capped chunks take (so no further chunk joins the step with the tokens freed), whichever reads
+    the fewest bytes a token (``cost``: the bytes a step of a shape, (slot, tokens) in slot order, reads). The caps
+    tried: each chunk's length (the budget cut the last one short, or a prompt ends inside its chunk), and the
+    longest one's rounded down to a multiple of ``ubatch // r`` for each number ``r`` of chunks that may run
+    together (llama.cpp gives each of ``r`` consecutive sequences ``ubatch // r`` tokens of a micro-batch); and,
+    when the last chunk is the shortest, the others alone, capped at each of their lengths.
 
     Why: llama.cpp gives every sequence of a micro-batch the same number of tokens, so prompt chunks of 512, 512,
     512 and 511 (a decode row took one token of a 2,048 budget) split into six micro-batches where four of 511 make
-    five, each a pass over all the weights (GPU traces: 110 against 91 ms a step)."""
+    five, and three chunks of 512 in consecutive slots into 3 x 170 and 3 x 2 where three of 510 make three; each
+    micro-batch is a pass over all the weights (GPU traces: 110 against 91 ms a step)."""
     def per_token(option: tuple[int, int]) -> float:
         cap, room = option
         return _bytes_per_token(takes(feeds, budget=room, chunk=cap), cost)
 
-    chosen = takes(feeds, budget=budget, chunk=chunk)
-    lengths = [take for _, take in chosen[decoding:]]
-    if len(lengths) < 2 or min(lengths) == max(lengths):
+    def capped(lengths: list[int], caps: set[int]) -> list[tuple[int, int]]:
+        """The options of a step of chunks of these lengths: each cap, with the budget the chunks then take."""
+        return [(cap, decoding + sum(min(take, cap) for take in lengths)) for cap in sorted(caps - {0})]
+
+    lengths = [take for _, take in takes(feeds, budget=budget, chunk=chunk)[decoding:]]
+    if not lengths:
         return chunk, budget
-    options = [(chunk, budget), (chunk, budget - lengths[-1])]
-    options += [(cap, decoding + sum(min(take, cap) for take in lengths)) for cap in sorted(set(lengths))[:-1]]
+    longest = max(lengths)
+    options = [(chunk, budget), *capped(lengths, set(lengths) | {longest // (ubatch // r) * (ubatch // r)
+                                                                 for r in range(1, len(lengths) + 1)})]
+    if len(lengths) > 1 and lengths[-1] < min(lengths[:-1]):  # a cut or ending last chunk may wait instead
+        options += capped(lengths[:-1], set(lengths[:-1]))
     return min(options, key=per_token)  # the first of equals: the layout as given
 
 
@@ -199,8 +235,8 @@ def _bytes_per_token(chosen: Sequence[tuple[Feed, int]], cost: Callable[[list[tu
     """What a step of ``chosen`` (feeds and the tokens each gives, as :func:`takes` returns them) reads by ``cost``
     (of its shape, (slot, tokens) in slot order), per token of the requests: ``throwaway`` of its tokens are
     pads. How :func:`fill_gaps` and :func:`even_chunks` compare the layouts they choose between."""
-    shape = sorted((feed.seq, take) for feed, take in chosen)
-    return cost(shape) / max(1, sum(take for _, take in chosen) - throwaway)
+    tokens = sum(take for _, take in chosen) - throwaway
+    return cost(sorted((feed.seq, take) for feed, take in chosen)) / tokens if tokens > 0 else math.inf
 
 
 def sample_where(ctx: Context, rows: Sequence[Row]) -> int:
