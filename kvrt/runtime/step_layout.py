@@ -104,12 +104,13 @@ class BatchFiller:
         prefilling = prefilling[first:] + prefilling[:first]
         prompts = [prompt_feed(live, (stops or {}).get(live.slot)) for live in prefilling]
         chunk, budget = self.chunk, ctx.n_batch
-        decoders = [] if exact else [(live, choice) for live in running for choice in live.choices
-                                     if choice.pending is not None]
+        decoders = [] if exact else [(live, choice, Feed(choice.slot, choice.pos, (choice.pending,)))
+                                     for live in running for choice in live.choices if choice.pending is not None]
         if decoders and not self._decodes_now(turn, prompts, budget, shared=cache.shared):
             decoders = []
-        owners: list[tuple[Live, Choice | None]] = [*decoders, *((live, None) for live in prefilling)]
-        feeds = [Feed(choice.slot, choice.pos, (choice.pending,)) for _, choice in decoders] + prompts
+        owners: list[tuple[Live, Choice | None]] = [*((live, choice) for live, choice, _ in decoders),
+                                                    *((live, None) for live in prefilling)]
+        feeds = [feed for _, _, feed in decoders] + prompts
         decoding = len(decoders)
         if self.even_chunks and not cache.shared and not exact:
             chunk, budget = even_chunks(feeds, decoding, budget=budget, chunk=chunk, ubatch=ctx.params.n_ubatch,
