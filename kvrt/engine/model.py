@@ -256,8 +256,9 @@ class Model(OwnsHandle):
     def n_ctx_train(self) -> int:
         return int(lib().llama_model_n_ctx_train(self.ptr))
 
-    @property
+    @functools.cached_property
     def n_vocab(self) -> int:
+        """Tokens in the vocabulary (read once: every token check asks for it)."""
         return int(lib().llama_vocab_n_tokens(self.vocab))
 
     @property

@@ -85,7 +85,7 @@ class Request:
     prompt_array: np.ndarray = field(init=False, repr=False, compare=False)  # the prompt as int64, for prefix lookups
 
     def __post_init__(self) -> None:
-        tokens = tuple(int(t) for t in self.prompt)
+        tokens = tuple(map(int, self.prompt))
         if not tokens:
             raise EngineError("a request needs at least one prompt token")
         object.__setattr__(self, "prompt", tokens)

@@ -382,9 +382,10 @@ def completion_prompt(model: Model, prompt: str | list[Any], *, limit: tuple[int
     tokens = text_tokens(model, prompt, limit=limit, param="prompt") if isinstance(prompt, str) else prompt
     if not tokens:
         raise ApiError(400, "prompt: it is empty", param="prompt")
-    bad = [t for t in tokens if not 0 <= t < model.n_vocab]
-    if bad:
-        raise ApiError(400, f"prompt: token {bad[0]} is outside the vocabulary [0, {model.n_vocab})", param="prompt")
+    n_vocab = model.n_vocab
+    bad = next((t for t in tokens if not 0 <= t < n_vocab), None)
+    if bad is not None:
+        raise ApiError(400, f"prompt: token {bad} is outside the vocabulary [0, {n_vocab})", param="prompt")
     return list(tokens)
 
 
