@@ -10,6 +10,7 @@ against what llama.cpp holds for every slot.
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -27,6 +28,23 @@ LAYOUTS = ["split", "unified"]
 def private_histories(n_vocab: int, agents: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[1] + [rng.randrange(3, n_vocab) for _ in range(length - 1)] for _ in range(agents)]
+
+
+class HoldGate:
+    """A ``before_step`` hook that stops the engine's worker at its next step while held."""
+
+    def __init__(self) -> None:
+        self._go = threading.Event()
+        self._go.set()
+
+    def __call__(self) -> None:
+        self._go.wait()
+
+    def hold(self) -> None:
+        self._go.clear()
+
+    def open(self) -> None:
+        self._go.set()
 
 
 def assert_mirror_matches_llama_cpp(eng: Engine) -> None:
@@ -294,3 +312,48 @@ def test_roomier_layout_keeps_concurrency_within_half_of_one_pools():
     assert _roomier(alone_long, [], config) == Layout(shared=False, slots=2)
     longer = Request(list(range(1, 2101)), greedy(8))  # more than half the pool: no two streams hold it
     assert _roomier(longer, [], config) == Layout(shared=True, slots=16)
+
+
+def test_the_roomier_layout_is_chosen_for_the_burst_not_its_first_request(tiny_model):
+    """Agents that start together reach the engine over some tens of milliseconds. The first request longer than
+    a slot, alone in the queue, is not yet given a layout (on its own it would get fewer, longer streams); the
+    choice waits until ``n_seq_max - 1`` requests wait behind it or it has waited SETTLE_S: four prompts sharing a
+    document then get one pool, and a lone one, once settled, its streams."""
+    from kvrt.runtime.layout_policy import SETTLE_S, LayoutPolicy
+
+    document = private_histories(tiny_model.n_vocab, 1, 260, seed=21)[0]
+    head, *others = [Request(document + q[1:], greedy(6)) for q in private_histories(tiny_model.n_vocab, 4, 21)]
+    gate = StepGate()  # nothing runs: the policy is asked directly, as the worker asks it
+    with engine(tiny_model, gate, n_ctx=1024, n_seq_max=4) as eng:
+        config, cache = eng.config, eng.cache
+        alone_now = LayoutPolicy()
+        assert not alone_now.admits(head, cache, config, running=False, waited_s=0.01)
+        assert alone_now.switch_to is None and alone_now.recheck_in == pytest.approx(SETTLE_S - 0.01)
+        burst = LayoutPolicy()
+        assert not burst.admits(head, cache, config, running=False, waiting=lambda: others, waited_s=0.01)
+        assert (burst.switch_to, burst.recheck_in) == (Layout(shared=True, slots=4), None)
+        settled = LayoutPolicy()
+        assert not settled.admits(head, cache, config, running=False, waited_s=SETTLE_S)
+        assert (settled.switch_to, settled.recheck_in) == (Layout(shared=False, slots=2), None)
+
+
+def test_a_roomier_context_chooses_again_for_the_next_burst(tiny_model):
+    """Four prompts longer than a slot sharing a document get one pool; four private histories after them, with
+    nothing running and nothing of theirs cached, get two longer streams instead (in the pool each would attend
+    over all of them); four sharing prompts after those get the pool again. Every answer equals the request alone."""
+    document = private_histories(tiny_model.n_vocab, 1, 260, seed=21)[0]
+    sharing = [[document + q[1:] for q in private_histories(tiny_model.n_vocab, 4, 21, seed=s)] for s in (22, 23)]
+    histories = private_histories(tiny_model.n_vocab, 4, 280, seed=24)
+    gate = HoldGate()
+    layouts, answers = [], []
+    with engine(tiny_model, gate, n_ctx=1024, n_seq_max=4) as eng:
+        for burst in (sharing[0], histories, sharing[1]):
+            gate.hold()
+            streams = [eng.submit(Request(p, greedy(6))) for p in burst]  # all queued before the worker looks
+            gate.open()
+            answers += [s.result(WAIT_S).choices[0].tokens for s in streams]
+            stats = eng.stats()
+            layouts.append((stats.kv_layout, len(stats.slots), stats.relayouts))
+            assert_mirror_matches_llama_cpp(eng)
+    assert layouts == [("unified", 4, 1), ("split", 2, 2), ("unified", 4, 3)]
+    assert answers == [alone(tiny_model, p, greedy(6)) for p in sharing[0] + histories + sharing[1]]

@@ -16,8 +16,9 @@ prefilling requests stop while the queue's head waits to share their prefix.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -199,6 +200,7 @@ class Pending:
     stream: RequestStream
     samplers: list[Sampler]
     pin: bool = False
+    queued_at: float = field(default_factory=time.monotonic)
 
     def end(self, reason: str, error: KvrtError | None = None) -> None:
         """It never ran: its samplers are freed, every choice ends empty with ``reason``, then the request."""

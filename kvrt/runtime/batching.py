@@ -304,7 +304,7 @@ class Engine:
                 self._fail_all(EngineError(f"the engine's step failed: {exc!r}"), queued=False)
                 busy = False
             if not busy:
-                self._wake.wait(_IDLE_WAIT_S)
+                self._wake.wait(min(_IDLE_WAIT_S, self._layout_policy.recheck_in or _IDLE_WAIT_S))
                 self._wake.clear()
 
     def step(self) -> bool:
@@ -399,7 +399,8 @@ class Engine:
             try:
                 if not self._layout_policy.admits(pending.stream.request, self.cache, self.config,
                                                   running=bool(self._live),
-                                                  waiting=functools.partial(self._waiting_behind, pending)):
+                                                  waiting=functools.partial(self._waiting_behind, pending),
+                                                  waited_s=time.monotonic() - pending.queued_at):
                     return
                 reserved = sum(live.future_cells() for live in self._live)
                 coming = max((common_prefix(x.request.prompt_array, pending.stream.request.prompt_array)
@@ -526,12 +527,13 @@ class Engine:
     # -- the KV layout (auto: :mod:`kvrt.runtime.layout_policy` decides, the worker switches) ------------------
     def _switch(self, layout: Layout) -> None:
         """The worker recreates the context in ``layout``. If that fails, the request that needed a roomier
-        layout is refused, or the context keeps the layout it has for good."""
+        layout is refused, or, where the layout it keeps holds that request (a return to the ``n_seq_max``
+        streams, a switch away from one pool), the context keeps that layout for good."""
         try:
             self._relayout(layout)
         except KvrtError as exc:
-            if layout == self.config.split_layout:
-                log.warning("the context could not be made split again; it keeps its layout", exc_info=True)
+            if layout == self.config.split_layout or self.cache.shared:  # the pool it kept holds the request
+                log.warning("the context could not be made %s; it keeps its layout", layout, exc_info=True)
                 self._layout_policy.split_failed()
                 return
             with self._lock:

@@ -5,7 +5,10 @@ When the request at the head of the queue needs more than a slot's stream, it wa
 context is recreated roomier: split into fewer, longer streams when the waiting requests share no prefix with it
 and those streams run at least half as many of them as one pool would (each sequence keeps attending over its
 own cells only; the rest queue), else one pool (unified: a shared prefix is computed once and held once, but
-every sequence attends over every used cell). Pinned prefixes keep the layout, so such a request is then refused.
+every sequence attends over every used cell). The choice is made for the requests that arrive with it: once
+``n_seq_max - 1`` wait behind it, or it has waited :data:`SETTLE_S`. A roomier context chooses again, with
+nothing running, for such a request that finds less than half of its prompt cached (a burst of private histories
+after a shared document, or the reverse). Pinned prefixes keep the layout, so such a request is then refused.
 It turns back to the ``n_seq_max`` streams when nothing runs and either the request at the head of the queue fits
 one and finds less than half of its prompt cached (what the roomier layout caches is not what it needs), or the
 engine has been idle for ``split_after_idle_s`` (longer than agents pause between turns) and nothing it caches
@@ -23,12 +26,15 @@ split.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from kvrt.prefixes import common_prefix
 from kvrt.runtime.admission import EngineConfig, Layout, fits_a_slot
 from kvrt.runtime.prefix_cache import PrefixCache
 from kvrt.runtime.requests import Request, RequestTooLarge
+
+SETTLE_S = 0.1  # how long the first request needing a roomier layout waits for others arriving with it
 
 
 class LayoutPolicy:
@@ -39,26 +45,40 @@ class LayoutPolicy:
         self.switch_to: Layout | None = None  # the layout the worker recreates the context in next
         self._idle_since: float | None = None  # when the worker last found nothing to decode (None: busy)
         self._split_failed = False  # the n_seq_max streams could not be made again: no further tries
+        self.recheck_in: float | None = None  # seconds until the head waiting for a roomier layout is due a choice
 
     def admits(self, request: Request, cache: PrefixCache, config: EngineConfig, *, running: bool,
-               waiting: Callable[[], Sequence[Request]] = tuple) -> bool:
-        """Whether ``request``, the head of the queue, may be placed in the current layout; False: it waits, and
-        :attr:`switch_to` says whether a switch is due first: a roomier layout (:func:`_roomier`, for the
-        requests ``waiting()`` behind it too, asked for only then) for one that needs more than a slot's stream
-        once nothing runs, the ``n_seq_max`` streams for one that fits them and gains little from what is cached
-        (see :func:`_split_now`).
+               waiting: Callable[[], Sequence[Request]] = tuple, waited_s: float = math.inf) -> bool:
+        """Whether ``request``, the head of the queue (queued ``waited_s`` ago), may be placed in the current
+        layout; False: it waits, and :attr:`switch_to` says whether a switch is due first: a roomier layout
+        (:func:`_roomier`, for the requests ``waiting()`` behind it too, asked for only then) for one that needs
+        more than a slot's stream once nothing runs, the ``n_seq_max`` streams for one that fits them and gains
+        little from what is cached (see :func:`_split_now`). The roomier layout is chosen once ``n_seq_max - 1``
+        requests wait behind the head or it has waited :data:`SETTLE_S`: agents that start together arrive over
+        some tens of milliseconds, and the first alone says nothing of whether they share a prefix;
+        :attr:`recheck_in` then says when to ask again.
         Raises :class:`RequestTooLarge` when pinned prefixes hold the split layout such a request cannot use."""
+        self.recheck_in = None
         if not self._split_failed and _split_now(request, cache, config, running=running):
             self.switch_to = config.split_layout
             return False
-        if cache.shared or (fits_a_slot(request, cache) and request.n <= cache.n_slots):
+        fits = cache.shared or (fits_a_slot(request, cache) and request.n <= cache.n_slots)
+        if fits and (self._split_failed or not _rechoose(request, cache, config, running=running)):
             return True
         if cache.pinned:
             raise RequestTooLarge(f"prompt ({len(request.prompt)} tokens) + max_tokens "
                                   f"({request.params.max_tokens}) exceeds a slot's {cache.slot_cells} cells, "
                                   "and pinned prefixes keep the context split; unpin them to run it")
-        if not running:
-            self.switch_to = _roomier(request, waiting(), config)
+        if running:
+            return False
+        behind = waiting()
+        if len(behind) < config.n_seq_max - 1 and waited_s < SETTLE_S:
+            self.recheck_in = SETTLE_S - waited_s
+            return False
+        layout = _roomier(request, behind, config)
+        if fits and layout == Layout(cache.shared, cache.n_slots):
+            return True
+        self.switch_to = layout
         return False
 
     def idle(self, now: float, cache: PrefixCache, config: EngineConfig, *, queued: bool, running: bool) -> None:
@@ -81,7 +101,8 @@ class LayoutPolicy:
         return layout
 
     def split_failed(self) -> None:
-        """The engine could not make the ``n_seq_max`` streams again: it keeps the layout it has for good."""
+        """The engine could not make the ``n_seq_max`` streams again, or another layout than its pool: it keeps
+        the layout it has for good."""
         self._split_failed = True
 
 
@@ -119,6 +140,17 @@ def _split_now(request: Request, cache: PrefixCache, config: EngineConfig, *, ru
     it returns); an agent's next turn, which finds its history, keeps it."""
     too_long = len(request.prompt) + request.params.max_tokens > config.split_cells
     if too_long or not _may_split(cache, config, running=running):
+        return False
+    kept = max(cache.longest_prefix(request.prompt_array)[1], cache.host_prefix(request.prompt_array)[1])
+    return 2 * kept < len(request.prompt)
+
+
+def _rechoose(request: Request, cache: PrefixCache, config: EngineConfig, *, running: bool) -> bool:
+    """Whether a roomier context with nothing running should choose its layout again for ``request`` at the head
+    of the queue, which needs more than one of the ``n_seq_max`` streams (:func:`_split_now` covers the others)
+    and finds less than half of its prompt cached: it was chosen for other requests (one pool for a shared
+    document, fewer streams for private histories), and the next burst may want the other."""
+    if not _may_split(cache, config, running=running):
         return False
     kept = max(cache.longest_prefix(request.prompt_array)[1], cache.host_prefix(request.prompt_array)[1])
     return 2 * kept < len(request.prompt)
