@@ -258,6 +258,7 @@ CPU_PEER = ("peer-d02dda0/peer.json",)
 H100_PEER = ("peer-e3c6042/n32/peer/peer.json",)
 H100_PEER_PADS = ("peer-dc9230f/n32/peer/peer.json",)
 H100_PEER_ALL = ("peer-980202b/call2/n32/peer/peer.json", "peer-980202b/call2/n8/peer/peer.json")
+H100_PEER_WAIT = ("peer-3d065a9/call1/n32/peer/peer.json",)
 H100_MULTIMODEL = ("multimodel-3d23534/multimodel.json", "multimodel-bursty-e3c6042/multimodel.json")
 ROWS = (
     Row("two agents over a 3,501-token document, end to end vs the warm baseline (bound 2), and the ideal",
@@ -296,6 +297,9 @@ ROWS = (
     Row("the same on another H100 (2026-12-06, later), commit 980202b (even chunks, threaded picks), N = 32 and 8, "
         "every workload (N = 64: `bench/RESULTS.md`)",
         Cell(lambda f: peer(f, H100_PEER_ALL), H100_PEER_ALL, "h100-2026-12-06"), None, "-"),
+    Row("the same on another H100 (2026-12-06, third session), commit 3d065a9 (decode rows wait, even chunks "
+        "fixed), N = 32, every workload (a second call and N = 64: `bench/RESULTS.md`)",
+        Cell(lambda f: peer(f, H100_PEER_WAIT), H100_PEER_WAIT, "h100-2026-12-06"), None, "-"),
     Row("three models each asking for a huge context", Cell(coresidence, ("coresidence/agents.json",)), None,
         "lmxd: file size x 1.5 estimates"),
     Row("layer streaming at balance, vs serial",
