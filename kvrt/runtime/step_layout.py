@@ -75,10 +75,11 @@ class StepBatch:
 
 class BatchFiller:
     """Lays out steps into ``batch`` (see the module docstring); ``model`` gives the bytes a step reads (its
-    weights, and a cell's K/V) that decide whether pads and evened chunks pay off."""
+    weights, and a cell's K/V) that decide whether pads and evened chunks pay off; ``decode_wait_s``: how long
+    decode rows may sit out steps that prompt chunks fill, timed by ``clock``."""
 
     def __init__(self, batch: Batch, model: Model, *, chunk: int, pad_gaps: bool, even_chunks: bool,
-                 decode_wait_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 decode_wait_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.batch = batch
         self.chunk = chunk
         self.pad_gaps = pad_gaps
