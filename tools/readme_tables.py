@@ -254,7 +254,7 @@ def _same(render: Callable[[str], str], *files: str) -> tuple[Cell, Cell]:
 H200_HOST_TIER = ("host-tier/doc-8192.json", "host-tier/doc-32768.json")
 CPU_HOST_TIER = ("host-tier/bench_host_tier-512.json", "host-tier/bench_host_tier-2048.json")
 H200_PEER = ("peer/n32/peer/peer.json", "peer/n8/peer/peer.json")
-CPU_PEER = ("peer-d02dda0/peer.json",)
+CPU_PEER = ("peer-f9ad5a4/peer.json",)
 H100_PEER = ("peer-e3c6042/n32/peer/peer.json",)
 H100_PEER_PADS = ("peer-dc9230f/n32/peer/peer.json",)
 H100_PEER_ALL = ("peer-980202b/call2/n32/peer/peer.json", "peer-980202b/call2/n8/peer/peer.json")
