@@ -120,6 +120,20 @@ def test_whole_chunks_and_single_chunks_are_left_as_they_are():
     assert even_chunks(one, 2, budget=64, chunk=512, ubatch=512, cost=cost(0)) == (512, 64)
 
 
+def short_beside_long(model, max_tokens: tuple[int, ...], **config) -> None:
+    """A short prompt beside three long ones in consecutive slots of a split engine, 48 tokens a step in chunks of
+    16, ``max_tokens`` each: every output equals a fresh context's, and llama.cpp's memory holds what the engine's
+    mirror says."""
+    prompts = [model.tokenize("a short one")] + [model.tokenize(f"prompt {i} " + "goes on and on " * 12)
+                                                  for i in range(3)]
+    with engine(model, n_seq_max=4, n_batch=48, prefill_chunk=16, kv_layout="split", **config) as eng:
+        streams = [eng.submit(Request(p, greedy(n))) for p, n in zip(prompts, max_tokens)]
+        outputs = [s.result(60.0).choices[0].tokens for s in streams]
+        for slot in range(4):
+            assert eng.ctx.seq_pos_max(slot) == eng.cache.held(slot) - 1
+    assert outputs == [alone(model, p, greedy(n)) for p, n in zip(prompts, max_tokens)]
+
+
 @pytest.mark.parametrize("even", [True, False])
 def test_evened_steps_give_every_request_a_fresh_contexts_tokens(tiny_model, monkeypatch, even):
     """A short prompt beside three long ones in consecutive slots, 48 tokens a step in chunks of 16: the short one's
@@ -136,16 +150,8 @@ def test_evened_steps_give_every_request_a_fresh_contexts_tokens(tiny_model, mon
         return choice
 
     monkeypatch.setattr(step_layout, "even_chunks", watched)
-    prompts = [tiny_model.tokenize("a short one")] + [tiny_model.tokenize(f"prompt {i} " + "goes on and on " * 12)
-                                                       for i in range(3)]
-    with engine(tiny_model, n_seq_max=4, n_batch=48, prefill_chunk=16, kv_layout="split",
-                even_chunks=even) as eng:
-        streams = [eng.submit(Request(p, greedy(n))) for p, n in zip(prompts, (40, 6, 6, 6))]
-        outputs = [s.result(60.0).choices[0].tokens for s in streams]
-        for slot in range(4):
-            assert eng.ctx.seq_pos_max(slot) == eng.cache.held(slot) - 1
+    short_beside_long(tiny_model, (40, 6, 6, 6), even_chunks=even)
     assert any(given != choice for given, choice in chosen) if even else not chosen  # some steps were evened
-    assert outputs == [alone(tiny_model, p, greedy(n)) for p, n in zip(prompts, (40, 6, 6, 6))]
 
 
 def test_steps_with_gap_tokens_give_every_request_a_fresh_contexts_tokens(tiny_model, monkeypatch):
@@ -193,18 +199,10 @@ def test_decode_rows_sit_out_steps_that_prompts_fill_for_at_most_the_wait(tiny_m
         return step
 
     monkeypatch.setattr(step_layout.BatchFiller, "fill", watched)
-    prompts = [tiny_model.tokenize("a short one")] + [tiny_model.tokenize(f"prompt {i} " + "goes on and on " * 12)
-                                                       for i in range(3)]
-    with engine(tiny_model, n_seq_max=4, n_batch=48, prefill_chunk=16, kv_layout="split",
-                decode_wait_s=wait_s) as eng:
-        streams = [eng.submit(Request(p, greedy(n))) for p, n in zip(prompts, (12, 4, 4, 4))]
-        outputs = [s.result(60.0).choices[0].tokens for s in streams]
-        for slot in range(4):
-            assert eng.ctx.seq_pos_max(slot) == eng.cache.held(slot) - 1
+    short_beside_long(tiny_model, (12, 4, 4, 4), decode_wait_s=wait_s)
     full = [(decoders, rows) for decoders, rows, work in steps if decoders and work >= 48]
     assert len(full) >= 3  # the long prompts kept steps full while the short one decoded
     if wait_s:
         assert [rows for _, rows in full] == [1] + [0] * (len(full) - 1)
     else:
         assert all(rows == decoders for decoders, rows in full)
-    assert outputs == [alone(tiny_model, p, greedy(n)) for p, n in zip(prompts, (12, 4, 4, 4))]
