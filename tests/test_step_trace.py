@@ -53,6 +53,9 @@ def test_the_trace_adds_up_to_the_engines_counters(tiny_model, tmp_path, layout)
     else:  # three prompts' 8-token chunks in one step: a micro-batch of 3 x 8 tokens; a chunk beside a shorter
         assert max(s.micro_batches for s in steps) >= 2  # last one, or beside decode rows, costs another
     assert [t.t_s for t in steps] == sorted(t.t_s for t in steps)
+    for s in steps:  # each step's shape holds its tokens and sequences, in slot order
+        assert sum(n for _, n in s.shape) == s.tokens + s.pads and len(s.shape) == s.sequences + s.pads
+        assert [slot for slot, _ in s.shape] == sorted(slot for slot, _ in s.shape)
 
 
 def test_a_cut_last_line_is_left_out_and_a_bad_line_is_named(tmp_path):
@@ -124,3 +127,19 @@ def test_a_trace_path_that_cannot_be_written_is_named_before_any_model_loads(tmp
         assert registry.models() == []  # nothing loaded
     finally:
         registry.close()
+
+
+def test_the_summary_tool_names_the_steps_with_surplus_micro_batches(tmp_path):
+    """A step of 15 prompt chunks of 129 tokens in runs broken by slots without a turn: 8 micro-batches where its
+    1,935 tokens need 4 (a swarm transition of the H100 trace); the tool names it with its runs of slots."""
+    chunks = [[slot, 129] for slot in (0, 1, 2, 5, 6, 7, 9, 10, 11, 12, 20, 21, 22, 23, 30)]
+    step = {"t_s": 1.0, "admit_ms": 0.1, "fill_ms": 1.1, "decode_ms": 136.5, "sample_ms": 1.1, "host_cpu_ms": 2.0,
+            "tokens": 1935, "decode_rows": 0, "prompt_tokens": 1935, "prompt_chunks": 15, "sequences": 15,
+            "micro_batches": 8, "live": 32, "queued": 0, "layout": "split", "pads": 0, "shape": chunks}
+    plain = step | {"t_s": 1.2, "micro_batches": 4, "shape": [[s, 129] for s in range(15)]}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(step) + "\n" + json.dumps(plain) + "\n")
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "step_trace_summary.py"), str(path)],
+                         capture_output=True, text=True, check=True).stdout
+    named = [line.strip() for line in out.splitlines() if line.startswith("  +")]
+    assert named == ["+4 micro-batches (8 in 136.5 ms): 0-2:129, 5-7:129, 9-12:129, 20-23:129, 30:129"]

@@ -5,7 +5,8 @@ Usage: python tools/step_trace_summary.py TRACE.jsonl [...]
 For each file: its steps grouped by what they carried (decode rows only, prompt chunks
 only, both) and, within a group, by how many micro-batches llama.cpp split them into;
 per group the steps, their share of the wall time, and the median milliseconds of each
-phase: where a run's time went and what a step of each shape costs on that machine.
+phase: where a run's time went and what a step of each shape costs on that machine. Then the
+steps with the most micro-batches beyond what their tokens need, with their slots and tokens.
 """
 
 from __future__ import annotations
@@ -48,7 +49,37 @@ def summary(steps: list[StepRecord]) -> list[str]:
     wall_s = steps[-1].t_s - steps[0].t_s + sum(getattr(steps[-1], p) for p in PHASES) / 1e3
     lines.append(f"{len(steps)} steps, {total_ms / 1e3:.2f} s busy of {wall_s:.2f} s from the first step to the "
                  f"last's end; {sum(s.micro_batches for s in steps) / len(steps):.2f} micro-batches a step")
-    return lines
+    return lines + surplus(steps)
+
+
+def surplus(steps: list[StepRecord], ubatch: int = 512, most: int = 3) -> list[str]:
+    """The steps with the most micro-batches beyond the fewest their tokens need (``ubatch`` a micro-batch, decode
+    rows in one of their own), with their shapes as runs of consecutive slots: where the split cost passes (traces
+    written before shapes were recorded have none to show)."""
+    def beyond(step: StepRecord) -> int:
+        return step.micro_batches - (-(-step.prompt_tokens // ubatch) + (step.decode_rows > 0))
+
+    worst = sorted((s for s in steps if s.shape and beyond(s) > 0), key=lambda s: (-beyond(s), -s.decode_ms))
+    return [f"  +{beyond(s)} micro-batches ({s.micro_batches} in {s.decode_ms:.1f} ms): {runs(s.shape)}"
+            for s in worst[:most]]
+
+
+def runs(shape: list[list[int]]) -> str:
+    """``[slot, tokens]`` pairs in slot order as runs of consecutive slots with their tokens, e.g. ``0-2:129, 5:1``."""
+    groups: list[list[list[int]]] = []
+    for slot, n in shape:
+        if groups and slot == groups[-1][-1][0] + 1:
+            groups[-1].append([slot, n])
+        else:
+            groups.append([[slot, n]])
+
+    def text(group: list[list[int]]) -> str:
+        first, last = group[0][0], group[-1][0]
+        tokens = [n for _, n in group]
+        return (f"{first}-{last}" if last != first else f"{first}") + ":" + (
+            str(tokens[0]) if len(set(tokens)) == 1 else "/".join(map(str, tokens)))
+
+    return ", ".join(text(group) for group in groups)
 
 
 def main(argv: list[str]) -> int:

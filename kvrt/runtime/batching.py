@@ -343,7 +343,8 @@ class Engine:
 
     def _account(self, step: StepBatch, times: StepTimes) -> None:
         """Count the micro-batches llama.cpp split this step's batch into; with a trace, write the step's line."""
-        micro = count_micro_batches(step.shape, self.ctx.params.n_ubatch, per_stream=not self.cache.shared)
+        shape = step.shape
+        micro = count_micro_batches(shape, self.ctx.params.n_ubatch, per_stream=not self.cache.shared)
         self._micro_batches += micro
         if self.trace is None:
             return
@@ -357,7 +358,7 @@ class Engine:
             tokens=sum(r.p1 - r.p0 for r in rows), decode_rows=len(rows) - len(prompt), prompt_tokens=sum(prompt),
             prompt_chunks=len(prompt), sequences=len({r.seq for r in rows}), micro_batches=micro,
             live=len(self._live), queued=queued, layout="unified" if self.cache.shared else "split",
-            pads=len(step.pads)))
+            pads=len(step.pads), shape=[[slot, tokens] for slot, tokens in shape]))
 
     def _run_commands(self) -> None:
         while True:

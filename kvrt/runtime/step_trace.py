@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -126,6 +126,8 @@ class StepRecord:
     queued: int  # requests waiting
     layout: str  # "split" or "unified"
     pads: int = 0  # throwaway tokens in idle slots between the batch's sequences (not in ``tokens``)
+    shape: list[list[int]] = field(default_factory=list)  # [slot, tokens] of each sequence, pads too, slot order:
+    # what llama.cpp split into micro_batches (kvrt.engine.micro_batches.split_per_stream replays it)
 
 
 class StepTrace:
