@@ -206,3 +206,12 @@ def test_decode_rows_sit_out_steps_that_prompts_fill_for_at_most_the_wait(tiny_m
         assert [rows for _, rows in full] == [1] + [0] * (len(full) - 1)
     else:
         assert all(rows == decoders for decoders, rows in full)
+
+
+@pytest.mark.parametrize("bad", [-0.5, float("nan"), float("inf"), True, "0.5"])
+def test_a_decode_wait_that_is_not_a_finite_number_of_seconds_is_refused_by_name(bad):
+    from kvrt.runtime.admission import EngineConfig
+    from kvrt.runtime.requests import EngineError
+
+    with pytest.raises(EngineError, match="decode_wait_s must be a finite number >= 0"):
+        EngineConfig(decode_wait_s=bad)
