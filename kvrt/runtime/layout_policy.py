@@ -86,6 +86,8 @@ class LayoutPolicy:
         ``split_after_idle_s`` with nothing ``queued`` returns to the ``n_seq_max`` streams when nothing it caches
         needs more."""
         self._idle_since = self._idle_since or now
+        if not queued:
+            self.recheck_in = None  # no head is waiting for a choice
         if (not queued and now - self._idle_since >= config.split_after_idle_s and not self._split_failed
                 and _may_split(cache, config, running=running)
                 and all(cache.held(slot) <= config.split_cells for slot in range(cache.n_slots))):
