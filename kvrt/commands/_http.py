@@ -118,7 +118,7 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
                           flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout,
                           pad_gaps=getattr(args, "pad_gaps", "on") == "on",
                           even_chunks=getattr(args, "even_chunks", "on") == "on",
-                          decode_wait_s=getattr(args, "decode_wait_s", 0.5),
+                          decode_wait_s=getattr(args, "decode_wait_s", EngineConfig.decode_wait_s),
                           backend_sampling=getattr(args, "backend_sampling", "off") == "on",
                           host_write_behind=getattr(args, "host_write_behind", "on") == "on")
     state_dir = getattr(args, "state_dir", None)

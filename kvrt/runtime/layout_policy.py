@@ -141,10 +141,7 @@ def _split_now(request: Request, cache: PrefixCache, config: EngineConfig, *, ru
     context caches is dropped by the switch (a conversation longer than a slot's stream makes it roomier again if
     it returns); an agent's next turn, which finds its history, keeps it."""
     too_long = len(request.prompt) + request.params.max_tokens > config.split_cells
-    if too_long or not _may_split(cache, config, running=running):
-        return False
-    kept = max(cache.longest_prefix(request.prompt_array)[1], cache.host_prefix(request.prompt_array)[1])
-    return 2 * kept < len(request.prompt)
+    return not too_long and _may_split(cache, config, running=running) and _little_cached(request, cache)
 
 
 def _rechoose(request: Request, cache: PrefixCache, config: EngineConfig, *, running: bool) -> bool:
@@ -152,8 +149,12 @@ def _rechoose(request: Request, cache: PrefixCache, config: EngineConfig, *, run
     of the queue, which needs more than one of the ``n_seq_max`` streams (:func:`_split_now` covers the others)
     and finds less than half of its prompt cached: it was chosen for other requests (one pool for a shared
     document, fewer streams for private histories), and the next burst may want the other."""
-    if not _may_split(cache, config, running=running):
-        return False
+    return _may_split(cache, config, running=running) and _little_cached(request, cache)
+
+
+def _little_cached(request: Request, cache: PrefixCache) -> bool:
+    """Whether less than half of ``request``'s prompt is cached, in the context or the host tier: what a layout
+    switch would drop is worth little to it."""
     kept = max(cache.longest_prefix(request.prompt_array)[1], cache.host_prefix(request.prompt_array)[1])
     return 2 * kept < len(request.prompt)
 
