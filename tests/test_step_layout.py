@@ -7,12 +7,16 @@ model is exact under batching).
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from kvrt.engine.decode_step import Feed, takes
 from kvrt.engine.micro_batches import read_bytes, split_per_stream
 from kvrt.runtime.requests import Request
 from kvrt.runtime.step_layout import even_chunks, fill_gaps
-from test_batching import alone, engine, greedy
+from kvrt.runtime.step_trace import StepTrace, read_trace
+from test_batching import WAIT_S, alone, engine, greedy
+from test_engine_layouts import HoldGate, private_histories
 
 WEIGHTS = 15 << 30  # the Qwen2.5-7B shape in F16: what a micro-batch reads besides the K/V
 CELL = 57_344  # its K/V a cell
@@ -118,6 +122,51 @@ def test_whole_chunks_and_single_chunks_are_left_as_they_are():
     assert even_chunks(short, 1, budget=2048, chunk=512, ubatch=512, cost=cost(0)) == (512, 2048)
     one = step_feeds([0, 1], [2], 4096)  # one prompt chunk: nothing to even it with
     assert even_chunks(one, 2, budget=64, chunk=512, ubatch=512, cost=cost(0)) == (512, 64)
+
+
+def test_next_turns_of_all_agents_take_four_micro_batches_a_full_step():
+    """32 agents' next turns of 129 new tokens in a 2,048-token step: 16 chunks of 128 in consecutive slots split
+    into four micro-batches of 16 x 32 (every token a request's); 15 of 129 and one of 113 would take five, and 15
+    of 129 alone four for fewer tokens."""
+    feeds = step_feeds([], [*range(8, 32), *range(8)], 129)
+    assert len(split_of(feeds, 512, 2048)) == 5
+    chunk, budget = even_chunks(feeds, 0, budget=2048, chunk=512, ubatch=512, cost=cost(4300))
+    assert (chunk, budget) == (128, 2048)
+    assert split_of(feeds, chunk, budget) == [dict.fromkeys(range(8, 24), 32)] * 4
+
+
+def runs(slots: list[int]) -> int:
+    """How many runs of consecutive numbers ``slots`` (sorted) make."""
+    return sum(1 for i, slot in enumerate(slots) if i == 0 or slot != slots[i - 1] + 1)
+
+
+def test_next_turns_arriving_in_any_order_are_prefilled_in_runs_of_slots(tiny_model, tmp_path):
+    """Eight agents, then their next turns (18 tokens to prefill each) submitted in a shuffled order while the
+    engine is held, 64 tokens a step: each step's prompt chunks go to a run of consecutive slots (two where the
+    round robin wraps past the last slot), not to the first requests to arrive, which llama.cpp's split layout
+    would compute a micro-batch a run; every output equals a fresh context's."""
+    agents, gen = 8, 4
+    histories = private_histories(tiny_model.n_vocab, agents, 40)
+    rng = random.Random(3)
+    news = [[rng.randrange(3, tiny_model.n_vocab) for _ in range(17)] for _ in range(agents)]
+    gate = HoldGate()
+    trace = StepTrace(tmp_path / "steps.jsonl")
+    with engine(tiny_model, gate, n_ctx=agents * 256, n_seq_max=agents, n_batch=64, prefill_chunk=64,
+                kv_layout="split") as eng:
+        eng.trace = trace
+        replies = [s.result(WAIT_S).choices[0].tokens
+                   for s in [eng.submit(Request(h, greedy(gen))) for h in histories]]
+        first_turn = len(read_trace(trace.path))
+        turns = [h + r + n for h, r, n in zip(histories, replies, news)]
+        order = rng.sample(range(agents), agents)
+        gate.hold()
+        streams = dict(zip(order, [eng.submit(Request(turns[i], greedy(gen))) for i in order]))
+        gate.open()
+        outputs = [streams[i].result(WAIT_S).choices[0].tokens for i in range(agents)]
+    prompt_steps = [step for step in read_trace(trace.path)[first_turn:] if step.prompt_chunks]
+    assert sum(step.prompt_tokens for step in prompt_steps) == sum(len(n) + 1 for n in news)  # own history kept
+    assert len(prompt_steps) >= 3 and all(runs([slot for slot, _ in step.shape]) <= 2 for step in prompt_steps)
+    assert outputs == [alone(tiny_model, t, greedy(gen)) for t in turns]
 
 
 def short_beside_long(model, max_tokens: tuple[int, ...], **config) -> None:
