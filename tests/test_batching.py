@@ -58,6 +58,23 @@ class StepGate:
         self._permits.release()
 
 
+class HoldGate:
+    """A ``before_step`` hook that stops the engine's worker at its next step while held."""
+
+    def __init__(self) -> None:
+        self._go = threading.Event()
+        self._go.set()
+
+    def __call__(self) -> None:
+        self._go.wait()
+
+    def hold(self) -> None:
+        self._go.clear()
+
+    def open(self) -> None:
+        self._go.set()
+
+
 @contextmanager
 def engine(model, gate: StepGate | None = None, **config) -> Iterator[Engine]:
     config = {"n_ctx": 1024, "n_seq_max": 4, "n_batch": 64, "prefill_chunk": 32, "flash_attn": "off", **config}
@@ -230,6 +247,43 @@ def test_a_conversations_next_turn_continues_in_its_slot_and_evicts_no_other(tin
         b2 = eng.submit(Request(b + out["b"] + turn, greedy(4))).result(WAIT_S)
     assert a2.end.cached_tokens == len(a) + len(out["a"]) - 1  # all but the last sampled token, never decoded
     assert b2.end.cached_tokens == len(b) + len(out["b"]) - 1  # b's cells survived a's next turn
+
+
+def test_a_finished_turns_slot_is_held_for_its_next_turn_ahead_of_a_new_request(tiny_model):
+    """Two slots, two conversations: a new request queued as both turns end would evict the first one's history
+    (the least recently used); with a hold, the first conversation's next turn, queued behind it, is placed ahead
+    of it and continues in its slot, and the new request takes a slot once it has waited the hold. Without one
+    (``hold_s=0``), the new request takes that slot and the next turn prefills its history again."""
+    a, b, c = (text_tokens(tiny_model, t) for t in ("First conversation here", "Second one, different",
+                                                    "A third, new request"))
+    turn = text_tokens(tiny_model, " and then", bos=False)
+    results = {}
+    for hold_s in (2.0, 0.0):
+        gate = HoldGate()
+        with engine(tiny_model, gate, n_seq_max=2, hold_s=hold_s) as eng:
+            out = {name: eng.submit(Request(p, greedy(6))).result(WAIT_S).choices[0].tokens
+                   for name, p in (("a", a), ("b", b))}
+            gate.hold()
+            new = eng.submit(Request(c, greedy(4)))
+            a2 = eng.submit(Request(a + out["a"] + turn, greedy(4)))
+            gate.open()
+            results[hold_s] = a2.result(WAIT_S), new.result(WAIT_S)
+        history = len(a) + len(out["a"]) - 1  # all but the last sampled token, never decoded
+        assert results[hold_s][0].choices[0].tokens == alone(tiny_model, a + out["a"] + turn, greedy(4))
+        assert results[hold_s][1].choices[0].tokens == alone(tiny_model, c, greedy(4))
+    assert results[2.0][0].end.cached_tokens == history
+    assert results[0.0][0].end.cached_tokens < history
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), True])
+def test_a_hold_that_is_not_a_finite_number_of_seconds_is_refused_by_name(bad):
+    from test_operator_http import parse_serve
+
+    with pytest.raises(EngineError, match="hold_s must be a finite number >= 0"):
+        EngineConfig(hold_s=bad)
+    assert (parse_serve([]).hold_s, parse_serve(["--hold-s", "0"]).hold_s) == (EngineConfig.hold_s, 0.0)
+    with pytest.raises(SystemExit):
+        parse_serve(["--hold-s", "-1"])
 
 
 def test_identical_prompt_decodes_only_its_last_token(tiny_model):

@@ -10,7 +10,6 @@ against what llama.cpp holds for every slot.
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import pytest
@@ -20,7 +19,7 @@ from kvrt.runtime.batching import Engine
 from kvrt.runtime.layout_policy import _roomier
 from kvrt.runtime.requests import EngineError, Request, RequestTooLarge
 from kvrt.errors import KvrtError
-from test_batching import WAIT_S, StepGate, alone, engine, greedy
+from test_batching import WAIT_S, HoldGate, StepGate, alone, engine, greedy
 
 LAYOUTS = ["split", "unified"]
 
@@ -28,23 +27,6 @@ LAYOUTS = ["split", "unified"]
 def private_histories(n_vocab: int, agents: int, length: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[1] + [rng.randrange(3, n_vocab) for _ in range(length - 1)] for _ in range(agents)]
-
-
-class HoldGate:
-    """A ``before_step`` hook that stops the engine's worker at its next step while held."""
-
-    def __init__(self) -> None:
-        self._go = threading.Event()
-        self._go.set()
-
-    def __call__(self) -> None:
-        self._go.wait()
-
-    def hold(self) -> None:
-        self._go.clear()
-
-    def open(self) -> None:
-        self._go.set()
 
 
 def assert_mirror_matches_llama_cpp(eng: Engine) -> None:
@@ -124,7 +106,8 @@ def test_auto_stays_unified_through_pauses_shorter_than_split_after_idle_s(tiny_
     """A switch drops the cache, so pauses between an agent's turns must not trigger one."""
     long = private_histories(tiny_model.n_vocab, 1, 400, seed=10)[0]
     short = [h[1:] for h in private_histories(tiny_model.n_vocab, 2, 30, seed=11)]
-    with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64, split_after_idle_s=3600) as eng:
+    with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64, split_after_idle_s=3600,
+                hold_s=0) as eng:  # the new agent evicts the long one at once, not after its hold
         first = [eng.submit(Request(p, greedy(2))) for p in (long, short[0])]  # the short one joins the pool
         returning = short[0] + first[1].result(WAIT_S).choices[0].tokens
         first[0].result(WAIT_S)
@@ -262,8 +245,11 @@ def test_auto_turns_split_at_once_for_fresh_requests_but_keeps_the_pool_for_a_re
 def test_auto_splits_into_fewer_longer_streams_for_private_histories_longer_than_a_slot(tiny_model):
     """Four agents whose own histories exceed a slot's 256 cells, all at once: one pool would make each attend
     over all four histories, so ``auto`` makes two streams of 512 (the other two agents queue), and returns to
-    four streams of 256 once idle. Every answer, first and second turns, equals the request alone."""
+    four streams of 256 for a short new request once idle. The second turns of the two agents whose histories
+    the streams still hold continue them, placed ahead of the two queued before them (which would evict them).
+    Every answer, first and second turns, equals the request alone."""
     histories = private_histories(tiny_model.n_vocab, 4, 280, seed=20)
+    new = private_histories(tiny_model.n_vocab, 1, 40, seed=23)[0]
     gate = StepGate()
     with engine(tiny_model, gate, n_ctx=1024, n_seq_max=4, split_after_idle_s=0) as eng:
         firsts = [eng.submit(Request(h, greedy(6))) for h in histories]  # all queued before the worker looks
@@ -273,14 +259,16 @@ def test_auto_splits_into_fewer_longer_streams_for_private_histories_longer_than
         assert_mirror_matches_llama_cpp(eng)
         turns = [h + r + [7, 8, 9] for h, r in zip(histories, replies)]
         seconds = [s.result(WAIT_S) for s in [eng.submit(Request(t, greedy(6))) for t in turns]]
-        short = eng.submit(Request(histories[0][:40], greedy(4))).result(WAIT_S)
+        short = eng.submit(Request(new, greedy(4))).result(WAIT_S)
         back = eng.stats()
         assert_mirror_matches_llama_cpp(eng)
     assert (wide.kv_layout, wide.slot_cells, len(wide.slots), wide.relayouts) == ("split", 512, 2, 1)
     assert (back.kv_layout, back.slot_cells, len(back.slots), back.relayouts) == ("split", 256, 4, 2)
+    held = [len(h) + len(r) - 1 for h, r in zip(histories, replies)]  # all but the last sampled token
+    assert [s.end.cached_tokens for s in seconds] == [1, 1, *held[2:]]  # the first two ran first: 2 and 3 held
     assert replies == [alone(tiny_model, h, greedy(6)) for h in histories]
     assert [s.choices[0].tokens for s in seconds] == [alone(tiny_model, t, greedy(6)) for t in turns]
-    assert short.choices[0].tokens == alone(tiny_model, histories[0][:40], greedy(4))
+    assert short.choices[0].tokens == alone(tiny_model, new, greedy(4))
 
 
 def test_auto_pools_the_cells_for_long_requests_that_share_a_prefix(tiny_model):

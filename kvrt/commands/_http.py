@@ -119,6 +119,7 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
                           pad_gaps=getattr(args, "pad_gaps", "on") == "on",
                           even_chunks=getattr(args, "even_chunks", "on") == "on",
                           decode_wait_s=getattr(args, "decode_wait_s", EngineConfig.decode_wait_s),
+                          hold_s=getattr(args, "hold_s", EngineConfig.hold_s),
                           backend_sampling=getattr(args, "backend_sampling", "off") == "on",
                           host_write_behind=getattr(args, "host_write_behind", "on") == "on")
     state_dir = getattr(args, "state_dir", None)

@@ -121,6 +121,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "that come less than this long after one that decoded them, since decode rows beside "
                              "prompt chunks cost llama.cpp a pass over all the weights of their own; their tokens "
                              "then come this far apart while others' prompts are computed (0: decode every step)")
+    parser.add_argument("--hold-s", type=seconds(zero=True), default=0.1,  # EngineConfig.hold_s
+                        help="with more agents than slots: a slot whose request just finished is held this long for "
+                             "that conversation's next turn, which is placed ahead of requests that would evict it "
+                             "(at most a slot count of them, then nothing is held from a waiting request), so the "
+                             "turn finds its history in place instead of prefilling it again (0: no hold)")
     parser.add_argument("--backend-sampling", choices=("on", "off"), default="off",
                         help="greedy requests without logprobs get their next token picked inside llama.cpp's "
                              "decode graph (llama.cpp's backend sampling), so no row of logits (4 bytes a vocabulary "
@@ -231,7 +236,7 @@ def _start_socket(args: argparse.Namespace, registry: ModelRegistry, budget: Bud
             n_ctx=args.batch_cells, n_seq_max=args.batch_slots, n_threads=args.threads,
             host_bytes=args.batch_host_mib << 20, kv_layout=args.kv_layout,
             pad_gaps=args.pad_gaps == "on", even_chunks=args.even_chunks == "on",
-            decode_wait_s=args.decode_wait_s, backend_sampling=args.backend_sampling == "on",
+            decode_wait_s=args.decode_wait_s, hold_s=args.hold_s, backend_sampling=args.backend_sampling == "on",
             host_write_behind=args.host_write_behind == "on"),
             state_dir=args.state_dir)
     else:

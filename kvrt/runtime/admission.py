@@ -7,7 +7,9 @@ whether slots and cells are free now (``None``: wait), and if so claims the slot
 (a request continues its own cached conversation in place, see :func:`_first_slot`),
 shares the prefix with ``seq_cp`` and, in the unified layout, evicts least recently
 used cached prefixes until the request's worst case fits beside what running requests
-may still write. An ``exact`` request reuses only the whole prefill units of a prefix
+may still write; a slot whose sequence finished less than ``EngineConfig.hold_s`` ago is
+held for its conversation's next turn, so a request that would evict it waits (a bounded
+number of such turns go first). An ``exact`` request reuses only the whole prefill units of a prefix
 that were computed cold (:meth:`kvrt.runtime.prefix_cache.PrefixCache.cold_prefix`): the
 rest of its prompt, prefilled from there in steps of its own, then lands in the
 micro-batches a cold prefill of the same prompt would use. :func:`share_stops` says where
@@ -67,6 +69,11 @@ class EngineConfig:
     steps that come less than this long after one that carried them: each step with decode rows beside prompt
     chunks reads the weights once more for them (:meth:`kvrt.runtime.step_layout.BatchFiller._decodes_now`); 0:
     they join every step.
+    ``hold_s``: a slot whose sequence finished less than this long ago is held for that conversation's next turn: a
+    request that would evict it waits, and requests that continue a history cached in a slot are placed ahead of
+    it, at most ``n_seq_max`` of them (:func:`kvrt.runtime.admission.place`); with more agents than slots, an
+    agent's next turn then finds its history where its last turn left it. 0: a waiting request takes any cached
+    slot at once.
     ``backend_sampling``: a step's plain greedy rows (no logprobs) are picked inside llama.cpp's decode graph
     (:meth:`kvrt.engine.context.Context.sample_on_device`), so no row of logits is copied out or scanned on the
     host for them. ``host_write_behind`` (with ``host_bytes``): while nothing runs or waits, cached slots are
@@ -87,6 +94,7 @@ class EngineConfig:
     pad_gaps: bool = True  # split: slots between a step's sequences get a pad or a prompt token (see above)
     even_chunks: bool = True  # split: a step's prompt chunks evened when that reads fewer bytes a token (see above)
     decode_wait_s: float = 0.5  # split: how long decode rows may sit out steps that prompt chunks fill (see above)
+    hold_s: float = 0.1  # how long a finished sequence's slot is held for its conversation's next turn (see above)
     backend_sampling: bool = False  # plain greedy rows picked in the decode's graph (see above)
     host_write_behind: bool = True  # an idle engine copies cached slots to the host tier before they are evicted
 
@@ -102,7 +110,7 @@ class EngineConfig:
         if self.n_batch < self.n_seq_max:
             raise EngineError(f"n_batch ({self.n_batch}) must be >= n_seq_max ({self.n_seq_max}): every decoding "
                               "sequence puts one token into each step's batch")
-        for name in ("split_after_idle_s", "decode_wait_s"):
+        for name in ("split_after_idle_s", "decode_wait_s", "hold_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise EngineError(f"EngineConfig.{name} must be a finite number >= 0, got {value!r}")
@@ -201,6 +209,7 @@ class Pending:
     samplers: list[Sampler]
     pin: bool = False
     queued_at: float = field(default_factory=time.monotonic)
+    passed_over: int = 0  # requests placed ahead of it, continuing their histories, while it was the queue's head
 
     def end(self, reason: str, error: KvrtError | None = None) -> None:
         """It never ran: its samplers are freed, every choice ends empty with ``reason``, then the request."""
@@ -249,7 +258,8 @@ def fits_a_slot(request: Request, cache: PrefixCache) -> bool:
     return prompt + limit <= cache.slot_cells and (not cache.shared or request.cells <= cache.n_cells)
 
 
-def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, coming: int = 0) -> Live | None:
+def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, coming: int = 0, *,
+          hold_s: float = 0.0, now: float | None = None) -> Live | None:
     """Slots and the cached prefix for ``pending``; ``None`` while they are not free yet.
 
     ``reserved`` is the cells running requests may still write. ``coming`` is the longest
@@ -261,6 +271,11 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
 
     An ``exact`` request's shared prefix ends on a multiple of the cache's unit, within what
     its source computed cold: a prefix that ends mid-unit is recomputed from the unit's start.
+
+    ``hold_s``: a request that would evict a cached slot whose sequence finished less than
+    ``hold_s`` before ``now`` (default: the monotonic clock's now) waits, unless as many
+    requests as the cache has slots were placed ahead of it while it waited
+    (``Pending.passed_over``, :func:`_evicts_a_held_slot`).
     """
     request = pending.stream.request
     prompt = request.prompt
@@ -288,6 +303,10 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
         if free - reserved < new_cells:
             return None
     if cache.available_slots() < slots_needed:
+        return None
+    now = time.monotonic() if now is None else now
+    if hold_s and pending.passed_over < cache.n_slots and _evicts_a_held_slot(cache, src, m, request.agent,
+                                                                               slots_needed, since=now - hold_s):
         return None
     first, continued = _first_slot(cache, src, m, request.agent)
     restored = 0
@@ -357,8 +376,9 @@ def _waits_to_share(prompt: int, cached: int, coming: int) -> bool:
     return min(coming, prompt - 1) >= cached + WAIT_FOR_SHARE
 
 
-def _first_slot(cache: PrefixCache, src: int | None, m: int, agent: str | None) -> tuple[int, bool]:
-    """The slot a request's first choice runs in, and whether it continues ``src`` (sharing ``m`` positions) in place.
+def _continues(cache: PrefixCache, src: int | None, m: int, agent: str | None) -> bool:
+    """Whether a request of ``agent`` sharing ``m`` positions with slot ``src`` runs on in that slot (see
+    :func:`_first_slot`).
 
     A cached, unpinned source is continued when the request extends all of it (a
     conversation's next turn), or when no slot is free and either the request keeps at
@@ -366,16 +386,42 @@ def _first_slot(cache: PrefixCache, src: int | None, m: int, agent: str | None) 
     slot-similarity rule: claiming another slot would evict some other conversation for
     nothing) or the source is the slot a claim would evict, unless the source is another
     agent's history (``agent``: the request's): then only extending all of it continues it.
-    Otherwise a free slot, or the cached one a claim evicts (other than the source),
-    gets a copy of the prefix, and the source stays as it was for whoever shares it.
     """
-    if src is not None and cache.reusable(src):
-        held = cache.held(src)
-        foreign = cache.owner(src) not in (None, agent)  # cutting it would lose that agent's history
-        if m == held or (not foreign and not cache.has_free_slot()
-                         and (2 * m >= held or cache.next_victim() == src)):
-            cache.take_over(src, m)
-            return src, True
+    if src is None or not cache.reusable(src):
+        return False
+    held = cache.held(src)
+    foreign = cache.owner(src) not in (None, agent)  # cutting it would lose that agent's history
+    return m == held or (not foreign and not cache.free_slots() and (2 * m >= held or cache.next_victim() == src))
+
+
+def _evicts_a_held_slot(cache: PrefixCache, src: int | None, m: int, agent: str | None, slots: int, *,
+                        since: float) -> bool:
+    """Whether a request of ``agent`` that needs ``slots`` slots, sharing ``m`` positions with slot ``src``, would
+    evict a cached slot whose sequence finished after ``since``, or cut one short by continuing it in place.
+
+    Why: with more agents than slots, a fresh request waiting as an agent's turn ends takes that agent's slot
+    before its next turn arrives (a few milliseconds later), and that turn then prefills its whole history again,
+    or restores it from the host tier, which holds as few of them as the slots do (a CPU replay of issue 24's 64
+    private agents in 37 streams: 108k of 374k tokens prefilled again). Held briefly, the next turn finds its
+    history in place (:meth:`kvrt.runtime.batching.Engine` places such turns ahead of the waiting request).
+    """
+    lost: list[int | None] = []
+    if src is not None and _continues(cache, src, m, agent):
+        slots -= 1
+        lost += [src] if m < cache.held(src) else []
+    if slots > cache.free_slots():
+        lost.append(cache.next_victim(avoid=src))
+    return any(slot is not None and cache.released_at(slot) > since for slot in lost)
+
+
+def _first_slot(cache: PrefixCache, src: int | None, m: int, agent: str | None) -> tuple[int, bool]:
+    """The slot a request's first choice runs in, and whether it continues ``src`` (sharing ``m`` positions) in place
+    (:func:`_continues`). Otherwise a free slot, or the cached one a claim evicts (other than the source), gets a
+    copy of the prefix, and the source stays as it was for whoever shares it.
+    """
+    if src is not None and _continues(cache, src, m, agent):
+        cache.take_over(src, m)
+        return src, True
     first = cache.claim(avoid=src)
     if first is None:  # only the source itself is left to take
         assert src is not None

@@ -9,7 +9,9 @@ thread that repeats :meth:`Engine.step`:
    come first served among one agent's or anonymous ones), get slots; the longest
    token prefix any slot already holds is shared with ``seq_cp`` (the prefix cache of
    :mod:`kvrt.runtime.prefix_cache`), so only the rest of the prompt is prefilled; a request
-   waiting to share what another is prefilling stops that one's prompt at the shared end;
+   waiting to share what another is prefilling stops that one's prompt at the shared end; a slot
+   whose request just finished is held for that conversation's next turn (``EngineConfig.hold_s``),
+   which is placed ahead of the requests that would evict it;
 3. one :class:`kvrt.engine.batch.Batch` laid out by :mod:`kvrt.runtime.step_layout`: the last
    sampled token of every decoding choice, then prompt chunks of at most ``prefill_chunk``
    tokens per request, round robin, up to ``n_batch`` tokens: a long prompt never stalls the
@@ -69,6 +71,7 @@ from kvrt.runtime.admission import (
     Pending,
     check_fits,
     check_in_vocabulary,
+    fits_a_slot,
     place,
     share_stops,
 )
@@ -124,6 +127,7 @@ class Engine:
         self._live: list[Live] = []
         self._pins: dict[str, int] = {}
         self._stops: dict[int, int] = {}  # slot -> where its prompt stops this step (admission.share_stops)
+        self._hold_ends_in: float | None = None  # seconds until the next slot's hold (EngineConfig.hold_s) ends
         self._ids = itertools.count(1)
         self._wake = threading.Event()
         self._closing = False
@@ -304,7 +308,8 @@ class Engine:
                 self._fail_all(EngineError(f"the engine's step failed: {exc!r}"), queued=False)
                 busy = False
             if not busy:
-                self._wake.wait(min(_IDLE_WAIT_S, self._layout_policy.recheck_in or _IDLE_WAIT_S))
+                self._wake.wait(min(_IDLE_WAIT_S, self._layout_policy.recheck_in or _IDLE_WAIT_S,
+                                    self._hold_ends_in or _IDLE_WAIT_S))
                 self._wake.clear()
 
     def step(self) -> bool:
@@ -390,39 +395,68 @@ class Engine:
     def _admit(self) -> None:
         """Waiting requests become live, in order, while slots and cells allow. When the queue's head is left
         waiting, prefilling requests whose prefix it waits to share stop at its end this step
-        (:func:`kvrt.runtime.admission.share_stops`)."""
-        self._stops = {}
+        (:func:`kvrt.runtime.admission.share_stops`), and requests behind it that continue a history cached in a
+        slot are placed ahead of it (:meth:`_admit_continuations`)."""
+        self._stops, self._hold_ends_in = {}, None
         while True:
             with self._lock:
-                pending = self._queue.head()
-            if pending is None:
+                head = self._queue.head()
+            if head is None:
                 return
-            try:
-                if not self._layout_policy.admits(pending.stream.request, self.cache, self.config,
-                                                  running=bool(self._live),
-                                                  waiting=functools.partial(self._waiting_behind, pending),
-                                                  waited_s=time.monotonic() - pending.queued_at):
-                    return
-                reserved = sum(live.future_cells() for live in self._live)
-                coming = max((common_prefix(x.request.prompt_array, pending.stream.request.prompt_array)
-                              for x in self._live if x.prefilling), default=0)
-                live = place(self.cache, self.model, pending, reserved, coming)
-            except RequestTooLarge as exc:
-                with self._lock:
-                    self._queue.take(pending)
-                pending.end("error", exc)
-                continue
-            if live is None:
-                self._stops = share_stops(self.cache, pending, self._live, self.config.prefill_chunk)
-                return
+            if not self._admit_one(head, layout=True):
+                break
+        self._stops = share_stops(self.cache, head, self._live, self.config.prefill_chunk)
+        self._admit_continuations(head)
+        victim = self.cache.next_victim()
+        hold_left = -1.0 if victim is None else self.cache.released_at(victim) + self.config.hold_s - time.monotonic()
+        self._hold_ends_in = hold_left if hold_left > 0 else None
+
+    def _admit_one(self, pending: Pending, *, layout: bool) -> bool:
+        """Place ``pending``: True when it left the queue (placed, or refused with its error), False while it
+        waits. ``layout``: the layout policy is asked first (the queue's head: it may need another layout)."""
+        request = pending.stream.request
+        try:
+            if layout and not self._layout_policy.admits(request, self.cache, self.config, running=bool(self._live),
+                                                         waiting=functools.partial(self._waiting_behind, pending),
+                                                         waited_s=time.monotonic() - pending.queued_at):
+                return False
+            reserved = sum(live.future_cells() for live in self._live)
+            coming = max((common_prefix(x.request.prompt_array, request.prompt_array)
+                          for x in self._live if x.prefilling), default=0)
+            live = place(self.cache, self.model, pending, reserved, coming, hold_s=self.config.hold_s)
+        except RequestTooLarge as exc:
             with self._lock:
                 self._queue.take(pending)
-            self._reused += live.reused
-            self._restored += live.restored
-            self._live.append(live)
-            if live.pin and not live.prefilling:  # its whole prompt was cached: no prefill row will ever land
-                self._pin_slot(live)
-                self._end(live)
+            pending.end("error", exc)
+            return True
+        if live is None:
+            return False
+        with self._lock:
+            self._queue.take(pending)
+        self._reused += live.reused
+        self._restored += live.restored
+        self._live.append(live)
+        if live.pin and not live.prefilling:  # its whole prompt was cached: no prefill row will ever land
+            self._pin_slot(live)
+            self._end(live)
+        return True
+
+    def _admit_continuations(self, head: Pending) -> None:
+        """While ``head`` waits, each request behind it that continues a history cached in a slot (the next turn
+        of a conversation, :meth:`PrefixCache.continued_by`) and fits the layout is placed: it takes that slot
+        over in place and evicts nothing, so ``head``'s wait (for slots, or for a slot held for such a turn,
+        ``EngineConfig.hold_s``) does not cost the history. Each counts in ``head.passed_over``: once ``head`` has
+        been passed over ``n_seq_max`` times, no slot is held from it (the continuations take only slots it could
+        have had by evicting their histories; the bound keeps agents that never pause from holding them all)."""
+        if self._layout_policy.switch_to is not None or self.cache.available_slots() == self.cache.free_slots():
+            return  # the context is about to be recreated, or nothing cached can be continued
+        with self._lock:
+            behind = [p for p in self._queue if p is not head]
+        for pending in behind:
+            request = pending.stream.request
+            if (fits_a_slot(request, self.cache) and self.cache.continued_by(request.prompt_array) is not None
+                    and self._admit_one(pending, layout=False)):
+                head.passed_over += 1
 
     def _waiting_behind(self, head: Pending) -> list[Request]:
         """The requests queued behind ``head``, the next ``n_seq_max - 1`` in queue order (what a layout switch

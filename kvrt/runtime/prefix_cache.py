@@ -45,6 +45,8 @@ Copies, restores and host copies carry the count; a truncation cuts it.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence, Set
 from typing import Literal
@@ -116,6 +118,7 @@ class PrefixCache:
         self._next_cell = 0
         self._eviction: Eviction[int] = Eviction()  # the cached slots (pinned ones never chosen), LRU first
         self._owner: list[str | None] = [None] * self.n_slots  # the agent whose history a slot holds
+        self._released_at = [-math.inf] * self.n_slots  # when each slot last became cached (time.monotonic)
 
     # -- queries ----------------------------------------------------------------------
     @property
@@ -162,8 +165,24 @@ class PrefixCache:
         """Whether the slot is cached and unpinned: a request may take it over or evict it."""
         return slot in self._eviction and not self._eviction.pinned(slot)
 
-    def has_free_slot(self) -> bool:
-        return "free" in self.state
+    def free_slots(self) -> int:
+        return self.state.count("free")
+
+    def released_at(self, slot: int) -> float:
+        """When the slot's last sequence finished and left it cached (``time.monotonic``; -inf: never)."""
+        return self._released_at[slot]
+
+    def continued_by(self, tokens: np.ndarray) -> int | None:
+        """The unpinned cached slot whose every token begins ``tokens`` (int64), with more to come: a
+        conversation's next turn finding its history where the last turn left it (``None``: no such slot)."""
+        n = len(tokens)
+        for slot in self._eviction:  # the unpinned cached slots: few while many requests run
+            row = self._tokens[slot]
+            held = len(row)
+            if (0 < held < n and row.view()[held - 1] == tokens[held - 1]
+                    and common_prefix(row.view(), tokens[:held]) == held):
+                return slot
+        return None
 
     def owner(self, slot: int) -> str | None:
         """The agent whose history the slot holds (``None``: anonymous, or free)."""
@@ -328,6 +347,7 @@ class PrefixCache:
             self.state[slot] = "free"
             return
         self.state[slot] = "cached"
+        self._released_at[slot] = time.monotonic()
         self._eviction.add(slot, priority=owner_priority(owner))
 
     def host_prefix(self, tokens: TokenIds, *, cold: bool = False) -> tuple[HostEntry | None, int]:

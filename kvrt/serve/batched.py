@@ -85,6 +85,7 @@ class BatchConfig:
     pad_gaps: bool = True  # EngineConfig.pad_gaps
     even_chunks: bool = True  # EngineConfig.even_chunks
     decode_wait_s: float = 0.5  # EngineConfig.decode_wait_s
+    hold_s: float = 0.1  # EngineConfig.hold_s
     backend_sampling: bool = False  # EngineConfig.backend_sampling
     host_write_behind: bool = True  # EngineConfig.host_write_behind
 
@@ -93,7 +94,7 @@ class BatchConfig:
                             prefill_chunk=self.prefill_chunk, max_queue=1 << 20, n_threads=self.n_threads,
                             flash_attn=self.flash_attn, host_bytes=self.host_bytes, kv_layout=self.kv_layout,
                             pad_gaps=self.pad_gaps, even_chunks=self.even_chunks, decode_wait_s=self.decode_wait_s,
-                            backend_sampling=self.backend_sampling,
+                            hold_s=self.hold_s, backend_sampling=self.backend_sampling,
                             host_write_behind=self.host_write_behind)
 
 
