@@ -575,6 +575,31 @@ def test_an_idle_engine_copies_cached_slots_to_the_host_tier_before_they_are_evi
     assert again.choices[0].tokens == alone(tiny_model, history, greedy(6))
 
 
+
+def test_a_slot_whose_prefix_another_slot_holds_is_evicted_without_a_host_copy(tiny_model):
+    """Two conversations on one 100-token document, then two new requests that take both slots: the first one
+    evicted shares most of its tokens with the other slot, so it is not copied to the host tier (the copy would
+    repeat the document for the few tokens of its own); the second, by then the only holder of the document, is,
+    though the request that takes its slot over shares a token with it and cuts it rather than evicting it. The
+    first conversation's next turn restores the document from that copy and prefills the rest; its tokens are a
+    fresh context's."""
+    rng = np.random.default_rng(7)
+    doc = [1] + rng.integers(3, tiny_model.n_vocab, 99).tolist()
+    a, b = doc + [5] + rng.integers(3, tiny_model.n_vocab, 9).tolist(), doc + [6] + rng.integers(3, 200, 9).tolist()
+    fresh = [[first] + rng.integers(3, tiny_model.n_vocab, 30).tolist() for first in (2, 1)]  # the second: b's 1
+    with engine(tiny_model, n_ctx=512, n_seq_max=2, kv_layout="split", host_bytes=1 << 26, host_write_behind=False,
+                hold_s=0) as eng:
+        first = eng.submit(Request(a, greedy(4))).result(WAIT_S).choices[0].tokens
+        eng.submit(Request(b, greedy(4))).result(WAIT_S)
+        eng.submit(Request(fresh[0], greedy(4))).result(WAIT_S)  # evicts a's slot: b holds its document
+        assert eng.stats().host_kept == 0
+        eng.submit(Request(fresh[1], greedy(4))).result(WAIT_S)  # cuts b's to its first token: nothing else holds it
+        assert eng.stats().host_kept == 1
+        turn = a + first + [9, 10, 11]
+        again = eng.submit(Request(turn, greedy(4))).result(WAIT_S)
+    assert again.end.cached_tokens == len(doc)
+    assert again.choices[0].tokens == alone(tiny_model, turn, greedy(4))
+
 def test_cells_are_evicted_lru_and_the_mirror_matches_llama_cpp(tiny_model):
     gate = StepGate()
     prompts = [text_tokens(tiny_model, f"prompt {i}: " + "words and more words " * 5) for i in range(5)]

@@ -299,8 +299,9 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
         if own > beside_pins:
             raise RequestTooLarge(f"the request needs {own} cells; {beside_pins} of the context's "
                                   f"{cache.n_cells} are not held by pinned prefixes")
-        free = cache.cells_if_evicted(keep=(src, m) if src is not None else None)
-        if free - reserved < new_cells:
+        free_now = cache.n_cells - cache.used_cells  # no more than eviction would free; O(1), where that is O(cells)
+        if free_now - reserved < new_cells and (cache.cells_if_evicted(keep=(src, m) if src is not None else None)
+                                                - reserved < new_cells):
             return None
     if cache.available_slots() < slots_needed:
         return None

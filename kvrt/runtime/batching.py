@@ -454,7 +454,8 @@ class Engine:
             behind = [p for p in self._queue if p is not head]
         for pending in behind:
             request = pending.stream.request
-            if (fits_a_slot(request, self.cache) and self.cache.continued_by(request.prompt_array) is not None
+            if (not request.exact and fits_a_slot(request, self.cache)  # an exact one may reuse less: it would claim
+                    and self.cache.continued_by(request.prompt_array) is not None
                     and self._admit_one(pending, layout=False)):
                 head.passed_over += 1
 

@@ -225,10 +225,14 @@ class PrefixCache:
         return slot
 
     def take_over(self, slot: int, keep: int) -> None:
-        """Make an unpinned cached slot active again, keeping only its first ``keep`` positions."""
+        """Make an unpinned cached slot active again, keeping only its first ``keep`` positions. A cut of more than
+        half of it is an eviction in all but name: its state is first copied to the host tier as :meth:`evict`
+        copies it (a new request continuing the slot a claim would evict, for the few tokens they share)."""
         if not self.reusable(slot):
             raise KvrtError(f"slot {slot} is {self.state[slot]}{' and pinned' if slot in self.pinned else ''}; "
                             "only an unpinned cached slot can be taken over")
+        if 2 * keep < len(self._tokens[slot]) and self._worth_a_copy(slot):
+            self._copy_to_host(slot)
         self._eviction.discard(slot)
         self.state[slot] = "active"
         self.truncate(slot, keep)
@@ -380,7 +384,7 @@ class PrefixCache:
         state is copied there first (a failed request's slot is not: its cells may be partial)."""
         if slot in self.pinned:
             raise KvrtError(f"slot {slot} is pinned; unpin it before evicting it")
-        if keep_copy and self.host is not None and self.host.worth_keeping(len(self._tokens[slot])):
+        if keep_copy and self._worth_a_copy(slot):
             self._copy_to_host(slot)
         self._eviction.discard(slot)
         self.ctx.seq_rm(slot)  # also when the mirror holds nothing: a failed decode may have left cells
@@ -428,10 +432,28 @@ class PrefixCache:
             return False
         for slot in self._eviction:
             tokens = self._tokens[slot].view()
-            if (slot not in self._unsettled and self.host.worth_keeping(len(tokens))
+            if (slot not in self._unsettled and self._worth_a_copy(slot)
                     and not self.host.holds(tokens, cold=self._cold[slot], owner=self._owner[slot])):
                 return self._copy_to_host(slot, make_room=False)
         return False
+
+    def _worth_a_copy(self, slot: int) -> bool:
+        """Whether the slot's state is worth a host copy: a host tier keeps prefixes this long, and no other slot
+        or host copy holds half of it or more.
+
+        Why: the copy is of the slot's whole state, so slots that share a long prefix would each copy it again
+        and drop others' copies for room, for the few tokens each holds of its own (the H200 run of 64 agents
+        after a fanout of one 8k document: 64 copies of ~470 MB each in one admission, 2.6 s); what they share
+        stays in the slot or copy that holds it, and the rest is recomputed."""
+        tokens = self._tokens[slot].view()
+        if self.host is None or not self.host.worth_keeping(len(tokens)):
+            return False
+        elsewhere = max((common_prefix(self._tokens[other].view(), tokens) for other in range(self.n_slots)
+                         if other != slot and self.state[other] != "free"), default=0)
+        if 2 * elsewhere >= len(tokens):
+            return False
+        _, copied = self.host_prefix(tokens)
+        return 2 * copied < len(tokens) or self.host.holds(tokens, cold=self._cold[slot], owner=self._owner[slot])
 
     def _copy_to_host(self, slot: int, *, make_room: bool = True) -> bool:
         assert self.host is not None
