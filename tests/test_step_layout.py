@@ -142,16 +142,17 @@ def runs(slots: list[int]) -> int:
 
 def test_next_turns_arriving_in_any_order_are_prefilled_in_runs_of_slots(tiny_model, tmp_path):
     """Eight agents, then their next turns (18 tokens to prefill each) submitted in a shuffled order while the
-    engine is held, 64 tokens a step: each step's prompt chunks go to a run of consecutive slots (two where the
-    round robin wraps past the last slot), not to the first requests to arrive, which llama.cpp's split layout
-    would compute a micro-batch a run; every output equals a fresh context's."""
+    engine is held, 48 tokens a step: each step's prompt chunks go to one run of consecutive slots, not to the first
+    requests to arrive, nor past the last slot to the first ones (llama.cpp's split layout computes a micro-batch a
+    run), and no step but the last leaves tokens of its budget unused for that; every output equals a fresh
+    context's."""
     agents, gen = 8, 4
     histories = private_histories(tiny_model.n_vocab, agents, 40)
     rng = random.Random(3)
     news = [[rng.randrange(3, tiny_model.n_vocab) for _ in range(17)] for _ in range(agents)]
     gate = HoldGate()
     trace = StepTrace(tmp_path / "steps.jsonl")
-    with engine(tiny_model, gate, n_ctx=agents * 256, n_seq_max=agents, n_batch=64, prefill_chunk=64,
+    with engine(tiny_model, gate, n_ctx=agents * 256, n_seq_max=agents, n_batch=48, prefill_chunk=48,
                 kv_layout="split") as eng:
         eng.trace = trace
         replies = [s.result(WAIT_S).choices[0].tokens
@@ -165,7 +166,8 @@ def test_next_turns_arriving_in_any_order_are_prefilled_in_runs_of_slots(tiny_mo
         outputs = [streams[i].result(WAIT_S).choices[0].tokens for i in range(agents)]
     prompt_steps = [step for step in read_trace(trace.path)[first_turn:] if step.prompt_chunks]
     assert sum(step.prompt_tokens for step in prompt_steps) == sum(len(n) + 1 for n in news)  # own history kept
-    assert len(prompt_steps) >= 3 and all(runs([slot for slot, _ in step.shape]) <= 2 for step in prompt_steps)
+    assert len(prompt_steps) >= 3 and all(runs([slot for slot, _ in step.shape]) == 1 for step in prompt_steps)
+    assert all(step.tokens == 48 for step in prompt_steps[:-1])
     assert outputs == [alone(tiny_model, t, greedy(gen)) for t in turns]
 
 
@@ -204,8 +206,9 @@ def test_evened_steps_give_every_request_a_fresh_contexts_tokens(tiny_model, mon
 
 
 def test_steps_with_gap_tokens_give_every_request_a_fresh_contexts_tokens(tiny_model, monkeypatch):
-    """Short prompts in the even slots (decoding soon) and long ones in the odd slots, 48 tokens a step in chunks of
-    16: the budget leaves prefilling slots between decode rows, which get a prompt token each (seen through a
+    """Short prompts in the even slots (decoding soon) and long ones in the odd slots, 32 tokens a step in chunks of
+    16: beside the four decode rows the budget takes the chunks of the last two prompting slots when the round
+    robin is there, leaving the first two between decode rows, which get a prompt token each (seen through a
     wrapper of fill_gaps); every output equals a fresh context's and llama.cpp's memory holds the engine's mirror."""
     from kvrt.runtime import step_layout
 
@@ -219,7 +222,7 @@ def test_steps_with_gap_tokens_give_every_request_a_fresh_contexts_tokens(tiny_m
     monkeypatch.setattr(step_layout, "fill_gaps", watched)
     prompts = [tiny_model.tokenize(f"short {i}") if i % 2 == 0 else
                tiny_model.tokenize(f"prompt {i} " + "goes on and on " * 10) for i in range(8)]
-    with engine(tiny_model, n_ctx=2048, n_seq_max=8, n_batch=48, prefill_chunk=16, kv_layout="split",
+    with engine(tiny_model, n_ctx=2048, n_seq_max=8, n_batch=32, prefill_chunk=16, kv_layout="split",
                 decode_wait_s=0) as eng:  # decode rows in every step: the steps with gaps between them
         streams = [eng.submit(Request(p, greedy(12))) for p in prompts]
         outputs = [s.result(60.0).choices[0].tokens for s in streams]
