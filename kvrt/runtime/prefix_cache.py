@@ -432,8 +432,9 @@ class PrefixCache:
             return False
         for slot in self._eviction:
             tokens = self._tokens[slot].view()
-            if (slot not in self._unsettled and self._worth_a_copy(slot)
-                    and not self.host.holds(tokens, cold=self._cold[slot], owner=self._owner[slot])):
+            if (slot not in self._unsettled
+                    and not self.host.holds(tokens, cold=self._cold[slot], owner=self._owner[slot])
+                    and self._worth_a_copy(slot)):
                 return self._copy_to_host(slot, make_room=False)
         return False
 
@@ -448,12 +449,15 @@ class PrefixCache:
         tokens = self._tokens[slot].view()
         if self.host is None or not self.host.worth_keeping(len(tokens)):
             return False
-        elsewhere = max((common_prefix(self._tokens[other].view(), tokens) for other in range(self.n_slots)
-                         if other != slot and self.state[other] != "free"), default=0)
-        if 2 * elsewhere >= len(tokens):
-            return False
+        half = (len(tokens) + 1) // 2  # a prefix this long held elsewhere: no copy
+        for other in range(self.n_slots):
+            row = self._tokens[other]
+            if (other != slot and self.state[other] != "free" and len(row) >= half
+                    and row.view()[half - 1] == tokens[half - 1]
+                    and common_prefix(row.view(half), tokens[:half]) == half):
+                return False
         _, copied = self.host_prefix(tokens)
-        return 2 * copied < len(tokens) or self.host.holds(tokens, cold=self._cold[slot], owner=self._owner[slot])
+        return copied < half or self.host.holds(tokens, cold=self._cold[slot], owner=self._owner[slot])
 
     def _copy_to_host(self, slot: int, *, make_room: bool = True) -> bool:
         assert self.host is not None
