@@ -2,19 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from repo_tools import load_tool
 
 
 def _tables():
-    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "tools" / "readme_tables.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("readme_tables", module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("readme_tables")
 
 
 def test_readme_tables_match_the_committed_data():

@@ -6,21 +6,13 @@ once), and the step-time model written out by hand for one-micro-batch steps.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from repo_tools import load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("replay_gpu_steps", ROOT / "tools" / "replay_gpu_steps.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("replay_gpu_steps", module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("replay_gpu_steps")
 
 
 def test_a_step_costs_a_weight_pass_a_micro_batch_its_tokens_and_the_kv_it_reads():
