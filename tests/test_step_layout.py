@@ -171,6 +171,41 @@ def test_next_turns_arriving_in_any_order_are_prefilled_in_runs_of_slots(tiny_mo
     assert outputs == [alone(tiny_model, t, greedy(gen)) for t in turns]
 
 
+def test_no_prompt_waits_more_than_a_pass_for_its_next_chunk(tiny_model, tmp_path):
+    """Eight 100-token prompts at once, three chunks of 16 a step: the round robin by slot never wraps past the
+    last slot, and never skips the last slots to avoid it either: every prompt gets a chunk within any three
+    consecutive steps until it is in (a pass over eight slots, three a step)."""
+    prompts = private_histories(tiny_model.n_vocab, 8, 100, seed=5)
+    gate = HoldGate()
+    trace = StepTrace(tmp_path / "steps.jsonl")
+    with engine(tiny_model, gate, n_ctx=8 * 256, n_seq_max=8, n_batch=48, prefill_chunk=16,
+                kv_layout="split") as eng:
+        eng.trace = trace
+        gate.hold()
+        streams = [eng.submit(Request(p, greedy(2))) for p in prompts]
+        gate.open()
+        outputs = [s.result(WAIT_S).choices[0].tokens for s in streams]
+    fed = [{slot for slot, tokens in step.shape if tokens > 1}  # chunks, not decode rows or gap tokens
+           for step in read_trace(trace.path) if step.prompt_chunks]
+    done = {slot: max(i for i, slots in enumerate(fed) if slot in slots) for slot in range(8)}  # its last chunk
+    for slot in range(8):
+        waits = [i for i in range(done[slot]) if slot not in fed[i]]
+        longest = max((len(run) for run in _runs_of(waits)), default=0)
+        assert longest <= 2, f"slot {slot} went {longest} prompt steps without a chunk"
+    assert outputs == [alone(tiny_model, p, greedy(2)) for p in prompts]
+
+
+def _runs_of(numbers: list[int]) -> list[list[int]]:
+    """``numbers`` (ascending) cut into runs of consecutive ones."""
+    out: list[list[int]] = []
+    for n in numbers:
+        if out and n == out[-1][-1] + 1:
+            out[-1].append(n)
+        else:
+            out.append([n])
+    return out
+
+
 def short_beside_long(model, max_tokens: tuple[int, ...], **config) -> None:
     """A short prompt beside three long ones in consecutive slots of a split engine, 48 tokens a step in chunks of
     16, ``max_tokens`` each: every output equals a fresh context's, and llama.cpp's memory holds what the engine's
