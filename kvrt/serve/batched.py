@@ -81,13 +81,13 @@ class BatchConfig:
     n_threads: int | None = None
     flash_attn: str = "auto"
     host_bytes: int = 2 << 30  # host copies of evicted agents' histories: a returning one is restored, not prefilled
-    kv_layout: str = "auto"  # EngineConfig.kv_layout
-    pad_gaps: bool = True  # EngineConfig.pad_gaps
-    even_chunks: bool = True  # EngineConfig.even_chunks
-    decode_wait_s: float = 0.5  # EngineConfig.decode_wait_s
-    hold_s: float = 0.1  # EngineConfig.hold_s
-    backend_sampling: bool = False  # EngineConfig.backend_sampling
-    host_write_behind: bool = True  # EngineConfig.host_write_behind
+    kv_layout: str = EngineConfig.kv_layout
+    pad_gaps: bool = EngineConfig.pad_gaps
+    even_chunks: bool = EngineConfig.even_chunks
+    decode_wait_s: float = EngineConfig.decode_wait_s
+    hold_s: float = EngineConfig.hold_s
+    backend_sampling: bool = EngineConfig.backend_sampling
+    host_write_behind: bool = EngineConfig.host_write_behind
 
     def engine(self) -> EngineConfig:
         return EngineConfig(n_ctx=self.n_ctx, n_seq_max=self.n_seq_max, n_batch=self.n_batch,
