@@ -147,11 +147,10 @@ class BatchFiller:
         would leave the last ones waiting for every prompt before them."""
         by_slot = sorted(prefilling, key=lambda live: live.slot)
         if self._turn_start[0] != turn:
+            wants = [min(len(live.prompt) - live.prefilled, self.chunk) for live in by_slot]
             first = next((i for i, live in enumerate(by_slot) if live.slot >= self._resume_at), 0)
-            tail = sum(min(len(live.prompt) - live.prefilled, self.chunk) for live in by_slot[first:])
-            while first > 0 and tail < room:
+            while first > 0 and sum(wants[first:]) < room:
                 first -= 1
-                tail += min(len(by_slot[first].prompt) - by_slot[first].prefilled, self.chunk)
             self._turn_start = (turn, by_slot[first].slot if by_slot else 0)
         first = next((i for i, live in enumerate(by_slot) if live.slot >= self._turn_start[1]), 0)
         return by_slot[first:] + by_slot[:first]
