@@ -140,6 +140,8 @@ class Batch:
         token's KV cell belongs to all of them (a shared prefix decoded once, no
         ``seq_cp``). Returns the row of the last token (where its logits are, if requested).
         """
+        if len(tokens) == 1 and isinstance(seq_ids, (int, np.integer)):  # a decode row: add's path, no arrays
+            return self.add(int(tokens[0]), start_pos, seq_ids, logits=logits_last)
         self._check_open()
         arr = np.asarray(tokens, dtype=np.int32).reshape(-1)
         n = int(arr.size)

@@ -37,8 +37,11 @@ def common_prefix(a: TokenIds, b: TokenIds) -> int:
     n = min(len(a), len(b))
     if n == 0:
         return 0
-    diff = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
-    return int(diff[0]) if diff.size else n
+    differs = np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64)
+    # argmax stops at the first True and builds no array of every difference: admission calls this once per slot
+    # for every waiting request
+    first = int(differs.argmax())
+    return first if differs[first] else n
 
 
 class _Node(Generic[V]):

@@ -210,6 +210,8 @@ def fill_gaps(feeds: Sequence[Feed], decoding: int, *, budget: int, chunk: int,
     options = [(given, list(feeds), []), (given, list(feeds), pads_for(list(feeds)))]
     seqs = [feed.seq for feed, _ in takes(feeds, budget=budget, chunk=chunk)]
     waiting = {i for i in range(len(seqs), len(feeds)) if seqs and min(seqs) < feeds[i].seq < max(seqs)}
+    if not options[1][2] and not waiting:  # no gap to fill (e.g. every slot decoding): nothing to compare
+        return options[0]
     if waiting:
         order = [*range(decoding), *sorted(waiting), *(i for i in range(decoding, len(feeds)) if i not in waiting)]
         filled = [feeds[i].until(feeds[i].done + 1) if i in waiting else feeds[i] for i in order]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -143,8 +143,8 @@ class StepTrace:
             raise KvrtError(f"step trace: cannot write {self.path}: {exc.strerror or exc}") from None
 
     def record(self, step: StepRecord) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(asdict(step), separators=(",", ":")) + "\n")
+        if self._file is not None:  # vars, not asdict: its deep copy of the shape cost ~70 us of the engine's step
+            self._file.write(json.dumps(vars(step), separators=(",", ":")) + "\n")
 
     def close(self) -> None:
         if self._file is not None:
