@@ -255,7 +255,7 @@ H200_HOST_TIER = ("host-tier/doc-8192.json", "host-tier/doc-32768.json")
 CPU_HOST_TIER = ("host-tier/bench_host_tier-512.json", "host-tier/bench_host_tier-2048.json")
 H200_PEER = ("peer-fdbb77a/call1/n32/peer/peer.json",)
 H200_PEER_POOL = ("peer/n32/peer/peer.json", "peer/n8/peer/peer.json")
-CPU_PEER = ("peer-8ec2baa/peer.json",)
+CPU_PEER = ("peer-2c1117a/peer.json",)
 H100_PEER = ("peer-e3c6042/n32/peer/peer.json",)
 H100_PEER_PADS = ("peer-dc9230f/n32/peer/peer.json",)
 H100_PEER_ALL = ("peer-980202b/call2/n32/peer/peer.json", "peer-980202b/call2/n8/peer/peer.json")
@@ -289,7 +289,7 @@ ROWS = (
         "same GGUF, libllama and cells (H200: 163,840, flash attention on; CPU: the demo model); wall time (kvrt "
         "faster by), and batched-bench's ideal / kvrt",
         Cell(lambda f: peer(f, H200_PEER), H200_PEER, "h200-2026-12-06"),
-        Cell(lambda f: peer(f, CPU_PEER), CPU_PEER, "cpu-2026-12-06"), "-"),
+        Cell(lambda f: peer(f, CPU_PEER), CPU_PEER, "cpu-2026-12-07"), "-"),
     Row("the same on the H200 of 2026-12-05, commit 8dbdb04 (before the step layout's work), N = 32 and 8",
         Cell(lambda f: peer(f, H200_PEER_POOL), H200_PEER_POOL, "h200-2026-12-05"), None, "-"),
     Row("the same on an NVIDIA H100 80GB (this column's only H100 figures: the GPU lent on 2026-12-05), N = 32, "
