@@ -28,7 +28,6 @@ from kvrt.runtime.requests import (
     EngineOverloaded,
     Request,
     RequestEnd,
-    RequestStream,
     RequestTooLarge,
     TokenEvent,
 )
@@ -652,31 +651,3 @@ def test_an_evicted_conversation_comes_back_from_the_host_tier_instead_of_a_pref
     else:
         assert restored == 0 and again.end.cached_tokens < held
     assert again.choices[0].tokens == alone(tiny_model, history, greedy(6))
-
-
-def test_a_steps_events_wake_each_reader_once_after_the_step(tiny_model):
-    """Every event a step pushes to a request is on its stream before the request's reader is notified, and the
-    reader is notified once for the step: the last step's token, choice end and request end come in one wake-up
-    (each notification in the middle of a step would compete with it for the GIL)."""
-    gate = StepGate()
-    wakes: dict[int, list[list[str]]] = {0: [], 1: []}
-    streams: dict[int, RequestStream] = {}
-
-    def reader(i: int):
-        def notify() -> None:
-            drained = []
-            while (event := streams[i].poll()) is not None:
-                drained.append(type(event).__name__)
-            wakes[i].append(drained)
-        return notify
-
-    prompts = [text_tokens(tiny_model, t) for t in PROMPTS[:2]]
-    with engine(tiny_model, gate) as eng:
-        for i, prompt in enumerate(prompts):
-            streams[i] = eng.submit(Request(prompt, greedy(5)), notify=reader(i))
-        gate.open()
-        deadline = time.monotonic() + WAIT_S
-        while any(not w or w[-1][-1:] != ["RequestEnd"] for w in wakes.values()) and time.monotonic() < deadline:
-            time.sleep(0.01)
-    for i in wakes:
-        assert wakes[i] == [["TokenEvent"]] * 4 + [["TokenEvent", "ChoiceEnd", "RequestEnd"]]

@@ -82,7 +82,6 @@ from kvrt.runtime.live import Choice, Live
 from kvrt.runtime.prefix_cache import PrefixCache
 from kvrt.runtime.requests import (
     AgentBusy,
-    Announcer,
     EngineClosed,
     EngineError,
     EngineOverloaded,
@@ -139,7 +138,6 @@ class Engine:
         self._layout_policy = LayoutPolicy()
         self._clock = StepClock()
         self._thread = threading.Thread(target=self._run, name=f"kvrt-engine-{model.path.stem}", daemon=True)
-        self._announcer = Announcer(self._thread)  # readers are woken once a step, after it (see Announcer)
         self._thread.start()
 
     # -- other threads' side ----------------------------------------------------------
@@ -270,8 +268,7 @@ class Engine:
         self.close()
 
     def _stream(self, kind: str, request: Request, notify: Callable[[], None] | None) -> RequestStream:
-        return RequestStream(f"{kind}-{next(self._ids)}", request, on_cancel=self._wake.set,
-                             notify=None if notify is None else self._announcer.wrap(notify))
+        return RequestStream(f"{kind}-{next(self._ids)}", request, notify=notify, on_cancel=self._wake.set)
 
     def _enqueue(self, pending: Pending) -> RequestStream:
         with self._lock:
@@ -301,7 +298,6 @@ class Engine:
             layout = self._layout_policy.take_switch()
             if layout is not None:  # outside use(): the switch closes this context
                 self._switch(layout)
-            self._announcer.flush()
 
     def _loop(self) -> None:
         while not self._closing and self._layout_policy.switch_to is None:
@@ -311,7 +307,6 @@ class Engine:
                 log.exception("engine step failed")
                 self._fail_all(EngineError(f"the engine's step failed: {exc!r}"), queued=False)
                 busy = False
-            self._announcer.flush()
             if not busy:
                 self._wake.wait(min(_IDLE_WAIT_S, self._layout_policy.recheck_in or _IDLE_WAIT_S,
                                     self._hold_ends_in or _IDLE_WAIT_S))

@@ -191,36 +191,6 @@ class RequestResult:
     end: RequestEnd
 
 
-class Announcer:
-    """Holds back the ``notify`` calls of streams pushed to on one thread (``owner``, the engine's worker) until
-    :meth:`flush`, each made once, in the order first due: a step that streams a token to each of N requests wakes
-    their readers once, after the step's host work, not in the middle of it, where each reader's wake-up (an
-    asyncio loop formatting N server-sent events) competes with the step's picks for the GIL. Pushes from any other
-    thread notify at once.
-
-    Invariant: the owner flushes after every step, so a notification waits at most for the rest of its step.
-    """
-
-    def __init__(self, owner: threading.Thread) -> None:
-        self.owner = owner
-        self._due: dict[Callable[[], None], None] = {}  # an ordered set
-
-    def wrap(self, notify: Callable[[], None]) -> Callable[[], None]:
-        """``notify`` as a stream calls it: held back on the owner's thread, made at once elsewhere."""
-        def announce() -> None:
-            if threading.current_thread() is self.owner:
-                self._due[notify] = None
-            else:
-                notify()
-        return announce
-
-    def flush(self) -> None:
-        """Make every held-back notification (on the owner's thread)."""
-        due, self._due = self._due, {}
-        for notify in due:
-            notify()
-
-
 class RequestStream:
     """The events of one request, pushed by the engine's thread and read by any other.
 
