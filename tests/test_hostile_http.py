@@ -112,6 +112,7 @@ def test_deeply_nested_json_is_a_400(served, tiny_model, body):
 @pytest.mark.parametrize("path, body, param", [
     ("/v1/completions", b'{"model":"tiny","prompt":"\\ud800 lone","max_tokens":2}', "prompt"),
     ("/v1/completions", b'{"model":"tiny","prompt":["ok","\\udfff"],"max_tokens":2}', "prompt[1]"),
+    ("/v1/completions", b'{"model":"tiny","prompt":[5,6,7,"\\ud800"],"max_tokens":2}', "prompt[3]"),  # ids, then text
     ("/v1/completions", b'{"model":"tiny","prompt":"hi","stop":["\\ud83d"],"max_tokens":2}', "stop[0]"),
     ("/v1/chat/completions", b'{"model":"tiny","messages":[{"role":"user","content":"a\\ud800"}]}',
      "messages[0].content"),
