@@ -95,6 +95,14 @@ class TokenRow:
     def truncate(self, keep: int) -> None:
         self.n = min(self.n, keep)
 
+    def begins_with(self, prefix: np.ndarray) -> bool:
+        """Whether the row's first ``len(prefix)`` tokens are ``prefix`` (int64); the last of them is compared
+        first, so a row that differs there costs no pass over the rest."""
+        k = len(prefix)
+        if self.n < k or (k and self._buf[k - 1] != prefix[k - 1]):
+            return False
+        return common_prefix(self.view(k), prefix) == k
+
 
 class PrefixCache:
     """Slot states, the tokens each slot's cells hold, and the cells they share."""
@@ -175,12 +183,9 @@ class PrefixCache:
     def continued_by(self, tokens: np.ndarray) -> int | None:
         """The unpinned cached slot whose every token begins ``tokens`` (int64), with more to come: a
         conversation's next turn finding its history where the last turn left it (``None``: no such slot)."""
-        n = len(tokens)
         for slot in self._eviction:  # the unpinned cached slots: few while many requests run
             row = self._tokens[slot]
-            held = len(row)
-            if (0 < held < n and row.view()[held - 1] == tokens[held - 1]
-                    and common_prefix(row.view(), tokens[:held]) == held):
+            if 0 < len(row) < len(tokens) and row.begins_with(tokens[:len(row)]):
                 return slot
         return None
 
@@ -449,15 +454,12 @@ class PrefixCache:
         tokens = self._tokens[slot].view()
         if self.host is None or not self.host.worth_keeping(len(tokens)):
             return False
-        half = (len(tokens) + 1) // 2  # a prefix this long held elsewhere: no copy
-        for other in range(self.n_slots):
-            row = self._tokens[other]
-            if (other != slot and self.state[other] != "free" and len(row) >= half
-                    and row.view()[half - 1] == tokens[half - 1]
-                    and common_prefix(row.view(half), tokens[:half]) == half):
-                return False
+        half = tokens[:(len(tokens) + 1) // 2]  # a prefix this long held elsewhere: no copy
+        if any(other != slot and self.state[other] != "free" and self._tokens[other].begins_with(half)
+               for other in range(self.n_slots)):
+            return False
         _, copied = self.host_prefix(tokens)
-        return copied < half or self.host.holds(tokens, cold=self._cold[slot], owner=self._owner[slot])
+        return copied < len(half) or self.host.holds(tokens, cold=self._cold[slot], owner=self._owner[slot])
 
     def _copy_to_host(self, slot: int, *, make_room: bool = True) -> bool:
         assert self.host is not None
