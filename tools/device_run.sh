@@ -15,9 +15,9 @@
 # SKIP_STEPS=1 none of them, SKIP_BASICS=1 the
 # import-order probe and the llama.cpp GPU tests (GPU_TESTS: their files; GPU_MARK= runs all of their tests,
 # not only -m gpu). GPU_SUITE=1 also runs the whole test suite (logs suite-llama.log, suite-kernels.log).
-# The CUDA build cannot travel back to skip the ~250 s build next time: xz -6 makes it 116 MB, over what a call
-# carries. A cold machine runs `all` within one call's 600 s
-# only with steps trimmed (SKIP_STEP, AGENT_PARTS, FORK_SWEEP_N).
+# The CUDA build takes 300-420 s there; tools/prebuild_llama_cuda.sh makes it here instead (sm_90 code only, which
+# xz packs small enough to carry), and build_llama unpacks that when it runs there. Built there, a cold machine
+# runs `all` within one call's 600 s only with steps trimmed (SKIP_STEP, AGENT_PARTS, FORK_SWEEP_N).
 set -uo pipefail
 phase=${1:-all}
 ROOT=$(pwd)
@@ -49,17 +49,41 @@ build_llama() {  # llama.cpp with CUDA, standalone: libllama + llama-server + ll
   fi
   rm -rf /tmp/llama-src && mkdir -p /tmp/llama-src && tar -C /tmp/llama-src -xzf .gpu-carry/llama-cpp-python.tar.gz
   local t0=$SECONDS
-  # llama-cpp-python's pure-Python llama_cpp/ with the build's shared libraries in its lib/: `import llama_cpp`
-  # and kvrt's bindings load that libllama, and llama-server links the same files (no pip build needed)
+  if unpack_prebuilt; then
+    install_llama_cpp && note "llama.cpp CUDA: the prebuilt pack of this source runs here, unpacked in $((SECONDS - t0)) s"
+    return
+  fi
   { cmake -S /tmp/llama-src/vendor/llama.cpp -B "$LLAMA_BUILD" -DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=90 \
       -DGGML_NATIVE=OFF -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
       -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DCMAKE_BUILD_TYPE=Release \
       ${LLAMA_CMAKE_EXTRA:-} \
     && cmake --build "$LLAMA_BUILD" -j "$(( $(nproc) - 1 ))" --target llama llama-server llama-batched-bench \
-    && rm -rf "$SITE/llama_cpp" && cp -r /tmp/llama-src/llama_cpp "$SITE/llama_cpp" && mkdir -p "$SITE/llama_cpp/lib" \
-    && cp -a "$LLAMA_BUILD"/bin/*.so* "$SITE/llama_cpp/lib/"; } > "$RESULTS/llama-build.log" 2>&1 \
-    && touch "$SITE/.llama-cuda" && note "llama.cpp CUDA build (libllama, llama-server, llama-batched-bench) ok in $((SECONDS - t0)) s" \
+    && install_llama_cpp; } > "$RESULTS/llama-build.log" 2>&1 \
+    && note "llama.cpp CUDA build (libllama, llama-server, llama-batched-bench) ok in $((SECONDS - t0)) s" \
     || note "llama.cpp CUDA build FAILED after $((SECONDS - t0)) s (see llama-build.log)"
+}
+
+install_llama_cpp() {  # llama-cpp-python's pure-Python llama_cpp/ with the built shared libraries in its lib/:
+  # `import llama_cpp` and kvrt's bindings load that libllama, and llama-server links the same files (no pip build)
+  rm -rf "$SITE/llama_cpp" && cp -r /tmp/llama-src/llama_cpp "$SITE/llama_cpp" && mkdir -p "$SITE/llama_cpp/lib" \
+    && cp -a "$LLAMA_BUILD"/bin/*.so* "$SITE/llama_cpp/lib/" && touch "$SITE/.llama-cuda"
+}
+
+unpack_prebuilt() {  # .gpu-carry/llama-cuda-prebuilt.tar.xz (tools/prebuild_llama_cuda.sh) into $LLAMA_BUILD/bin, when
+  # it was built from the carried source and runs on this machine; else nothing is left of it and build_llama builds
+  local pack=.gpu-carry/llama-cuda-prebuilt.tar.xz why=
+  [ -f "$pack" ] || return 1
+  rm -rf "$LLAMA_BUILD" && mkdir -p "$LLAMA_BUILD" && tar -C "$LLAMA_BUILD" -xJf "$pack"
+  if [ "$(cat "$LLAMA_BUILD/source.sha256" 2>/dev/null)" != "$(sha256sum .gpu-carry/llama-cpp-python.tar.gz | cut -d' ' -f1)" ]; then
+    why="built from another source"
+  elif ! "$LLAMA_BUILD/bin/llama-server" --list-devices > "$RESULTS/llama-prebuilt.log" 2>&1 \
+      || ! grep -q CUDA0 "$RESULTS/llama-prebuilt.log"; then
+    why="does not run here or sees no GPU (llama-prebuilt.log)"
+  fi
+  [ -z "$why" ] && return 0
+  note "llama.cpp CUDA: the prebuilt pack $why; building"
+  rm -rf "$LLAMA_BUILD"
+  return 1
 }
 
 make_models() {
