@@ -336,7 +336,10 @@ class Engine:
             self._steps += 1
             self._sampled_on_device += len(self.ctx.device_rows)
             self._advance(decoded.rows)  # cell bookkeeping, under the compute where llama_decode returns early (GPU)
-            self.ctx.synchronize()  # the outputs are read next anyway: the wait is the decode's
+            if any(r.row >= 0 for r in decoded.rows):
+                self.ctx.synchronize()  # the outputs are read next anyway: the wait is the decode's
+            # else nothing is read: the next step's admission, fill and graph build run under this step's compute
+            # (llama.cpp waits for it before it copies that step's inputs, and before any read of the context)
         timer.sampling()
         if decoded is not None:
             self._sample(decoded.rows)

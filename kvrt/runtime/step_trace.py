@@ -33,7 +33,9 @@ class StepTimes:
     """One step's phase boundaries on the ``time.perf_counter`` clock (seconds): it started (admission), began
     filling its batch, decoding it, sampling, and ended; ``host_cpu``: the worker thread's CPU time in the three
     host phases (admit, fill, sample): their wall time less it is time the worker waited (for the GIL another
-    thread held, or blocked)."""
+    thread held, or blocked). A step whose rows have no outputs (prompt chunks that end inside their prompts) is
+    not waited for on a GPU: its decode phase is llama_decode's launch, and the compute's rest lands in the next
+    step's decode phase."""
 
     start: float
     fill: float
