@@ -352,6 +352,21 @@ def test_long_prompt_is_prefilled_in_chunks_beside_a_decoding_request(tiny_model
     assert chunks == [(p, min(p + 32, len(long))) for p in range(start, len(long), 32)]
 
 
+def test_the_engine_waits_only_for_steps_whose_outputs_it_reads(tiny_model):
+    """A prompt's chunks that end inside it have no outputs: the engine does not wait for their compute (on a GPU
+    the next step's host work runs under it), and the tokens are still the reference's."""
+    long = text_tokens(tiny_model, "a long prompt that goes on " * 12)
+    waits: list[int] = []
+    with engine(tiny_model, n_ctx=4096, n_batch=64, prefill_chunk=32) as eng:
+        wait = eng.ctx.synchronize
+        eng.ctx.synchronize = lambda: (waits.append(1), wait())[1]
+        done = eng.submit(Request(long, greedy(4))).result(WAIT_S)
+        steps = eng.stats().steps
+    assert done.choices[0].tokens == alone(tiny_model, long, greedy(4))
+    assert steps == -(-len(long) // 32) + 3  # the prompt's chunks, then three decode steps
+    assert len(waits) == 4  # the prompt's last chunk (the first token's logits) and the three decode steps
+
+
 def test_cancel_frees_the_slot(tiny_model):
     gate = StepGate()
     prompt = text_tokens(tiny_model, PROMPTS[0])
