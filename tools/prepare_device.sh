@@ -8,7 +8,8 @@
 #   - wheels of the Python packages kvrt needs that the GPU machine's image lacks (the serve extra's too,
 #     prometheus-client included, for `kvrt serve --http` in `kvrt bench peer`), and py-spy (a sampling
 #     profiler, for 80-peer's PEER_PROFILE_S).
-# Then run tools/device_run.sh there with .gpu-carry carried along.
+# Then (optional, ~25 min) tools/prebuild_llama_cuda.sh makes the CUDA build here, so the GPU machine skips its own;
+# and run tools/device_run.sh there with .gpu-carry carried along.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LLAMA_VERSION=${LLAMA_VERSION:-0.3.36}
