@@ -133,6 +133,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-write-behind", choices=("on", "off"), default="on",
                         help="with a host tier: while nothing runs or waits, cached histories are copied to the host "
                              "tier's free room, so the request that later evicts one does not wait for its copy")
+    parser.add_argument("--gil-switch-s", type=seconds(zero=False), default=sys.getswitchinterval(),
+                        help="the longest a Python thread holds the GIL while another waits for it "
+                             "(sys.setswitchinterval): every GIL release the engine's thread makes (a NumPy pass, a "
+                             "llama.cpp call) may cost it this long while HTTP threads parse or stream")
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="clients served at once; more get ERR TOO_MANY_CONNECTIONS")
     parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
@@ -152,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
     from kvrt.accounting.ledger import VramLedger
     from kvrt.serve.registry import ModelRegistry
 
+    sys.setswitchinterval(args.gil_switch_s)
     table = load_vram_table(args.vram_table) if args.vram_table else None
     devices = _device_ledgers(args)
     if devices is not None:
