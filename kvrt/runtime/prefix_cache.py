@@ -56,52 +56,13 @@ import numpy as np
 from kvrt.engine.context import Context
 from kvrt.engine.decode_step import Feed
 from kvrt.errors import KvrtError
-from kvrt.prefixes import Eviction, TokenIds, common_prefix
+from kvrt.prefixes import Eviction, TokenIds
 from kvrt.runtime.host_tier import HostEntry, HostTier, owner_priority
+from kvrt.runtime.slot_tokens import SlotTokens
 
 log = logging.getLogger(__name__)
 
 SlotState = Literal["free", "active", "cached"]
-
-
-class TokenRow:
-    """A slot's tokens, position by position, in a growable int64 array (the dtype :func:`common_prefix` and
-    ``Request.prompt_array`` use, so a comparison copies nothing): one vectorised pass where a list would be
-    converted on every lookup (~0.2 ms for 4k tokens, per slot, per request)."""
-
-    __slots__ = ("_buf", "n")
-
-    def __init__(self) -> None:
-        self._buf = np.empty(256, dtype=np.int64)
-        self.n = 0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def view(self, stop: int | None = None) -> np.ndarray:
-        """The first ``stop`` tokens (all by default), without a copy."""
-        return self._buf[:self.n if stop is None else min(stop, self.n)]
-
-    def extend(self, tokens: Sequence[int] | np.ndarray) -> None:
-        new = np.asarray(tokens, dtype=np.int64)
-        end = self.n + len(new)
-        if end > len(self._buf):
-            grown = np.empty(max(end, 2 * len(self._buf)), dtype=np.int64)
-            grown[:self.n] = self._buf[:self.n]
-            self._buf = grown
-        self._buf[self.n:end] = new
-        self.n = end
-
-    def truncate(self, keep: int) -> None:
-        self.n = min(self.n, keep)
-
-    def begins_with(self, prefix: np.ndarray) -> bool:
-        """Whether the row's first ``len(prefix)`` tokens are ``prefix`` (int64); the last of them is compared
-        first, so a row that differs there costs no pass over the rest."""
-        k = len(prefix)
-        if self.n < k or (k and self._buf[k - 1] != prefix[k - 1]):
-            return False
-        return common_prefix(self.view(k), prefix) == k
 
 
 class PrefixCache:
@@ -119,7 +80,7 @@ class PrefixCache:
         self.n_slots = ctx.n_seq_max
         self._unsettled: set[int] = set()  # split: slots a pending stream copy reads or writes
         self.state: list[SlotState] = ["free"] * self.n_slots
-        self._tokens = [TokenRow() for _ in range(self.n_slots)]
+        self._tokens = SlotTokens(self.n_slots)
         self._cells: list[list[int]] = [[] for _ in range(self.n_slots)]
         self._cold = [0] * self.n_slots  # each slot's first positions computed as a cold prefill computes them
         self._refs: Counter[int] = Counter()  # shared: each cell's claims (split: none is shared, none counted)
@@ -140,7 +101,7 @@ class PrefixCache:
 
     def tokens(self, slot: int) -> list[int]:
         """The tokens whose KV the slot holds, position by position (a copy)."""
-        tokens: list[int] = self._tokens[slot].view().tolist()
+        tokens: list[int] = self._tokens.view(slot).tolist()
         return tokens
 
     def longest_prefix(self, tokens: TokenIds, *, cold: bool = False) -> tuple[int | None, int]:
@@ -150,10 +111,10 @@ class PrefixCache:
         An active slot only grows, so its first cells are as good a source as a cached one.
         """
         best, best_len = None, 0
-        probe = np.asarray(tokens, dtype=np.int64)
+        shared = self._tokens.common_prefixes(np.asarray(tokens, dtype=np.int64))
         for slot in range(self.n_slots):
             if self.state[slot] != "free":
-                length = common_prefix(self._tokens[slot].view(), probe)
+                length = int(shared[slot])
                 if cold:
                     length = self.cold_prefix(slot, length)
                 if length > best_len:
@@ -167,7 +128,7 @@ class PrefixCache:
 
     def held(self, slot: int) -> int:
         """How many positions the slot holds."""
-        return len(self._tokens[slot])
+        return self._tokens.length(slot)
 
     def reusable(self, slot: int) -> bool:
         """Whether the slot is cached and unpinned: a request may take it over or evict it."""
@@ -184,8 +145,8 @@ class PrefixCache:
         """The unpinned cached slot whose every token begins ``tokens`` (int64), with more to come: a
         conversation's next turn finding its history where the last turn left it (``None``: no such slot)."""
         for slot in self._eviction:  # the unpinned cached slots: few while many requests run
-            row = self._tokens[slot]
-            if 0 < len(row) < len(tokens) and row.begins_with(tokens[:len(row)]):
+            held = self._tokens.length(slot)
+            if 0 < held < len(tokens) and self._tokens.begins_with(slot, tokens[:held]):
                 return slot
         return None
 
@@ -236,7 +197,7 @@ class PrefixCache:
         if not self.reusable(slot):
             raise KvrtError(f"slot {slot} is {self.state[slot]}{' and pinned' if slot in self.pinned else ''}; "
                             "only an unpinned cached slot can be taken over")
-        if 2 * keep < len(self._tokens[slot]) and self._worth_a_copy(slot):
+        if 2 * keep < self._tokens.length(slot) and self._worth_a_copy(slot):
             self._copy_to_host(slot)
         self._eviction.discard(slot)
         self.state[slot] = "active"
@@ -245,9 +206,9 @@ class PrefixCache:
     def copy_prefix(self, src: int, dst: int, p0: int, p1: int) -> None:
         """``dst`` (holding exactly ``p0`` positions) gets ``src``'s positions [p0, p1): their cells when
         shared; in the split layout a copy of ``src``'s stream cut at ``p1``, so ``p0`` must be 0."""
-        if len(self._tokens[dst]) != p0 or len(self._tokens[src]) < p1 or (p0 > 0 and not self.shared):
-            raise KvrtError(f"cannot share positions [{p0}, {p1}) of slot {src} ({len(self._tokens[src])} held) "
-                            f"onto slot {dst} ({len(self._tokens[dst])} held)"
+        if self._tokens.length(dst) != p0 or self._tokens.length(src) < p1 or (p0 > 0 and not self.shared):
+            raise KvrtError(f"cannot share positions [{p0}, {p1}) of slot {src} ({self._tokens.length(src)} held) "
+                            f"onto slot {dst} ({self._tokens.length(dst)} held)"
                             f"{'' if self.shared else '; one stream per slot copies a prefix whole, from 0'}")
         if p1 <= p0:
             return
@@ -255,14 +216,14 @@ class PrefixCache:
             self.ctx.seq_cp(src, dst, p0, p1)
             cells = self._cells[src][p0:p1]
             self._cells[dst].extend(cells)
-            self._tokens[dst].extend(self._tokens[src].view(p1)[p0:])
+            self._tokens.extend(dst, self._tokens.view(src, p1)[p0:])
             self._refs.update(cells)
         else:
             self.ctx.seq_cp(src, dst)  # the whole stream, copied on the device at the next decode
-            if p1 < len(self._tokens[src]):
+            if p1 < self._tokens.length(src):
                 self.ctx.seq_rm(dst, p1, -1)
             self._unsettled.update((src, dst))
-            self.appended(dst, self._tokens[src].view(p1))
+            self.appended(dst, self._tokens.view(src, p1))
         if self._cold[dst] == p0:  # the copied positions are as cold as they were in the source
             self._cold[dst] = max(p0, min(self._cold[src], p1))
 
@@ -326,24 +287,24 @@ class PrefixCache:
         ``alone``: they were a prompt chunk with the step to itself; from a start that is cold and whole units
         from 0, its whole units count as computed cold (a cold prefill cuts the same micro-batches there).
         """
-        start = len(self._tokens[slot])
+        start = self._tokens.length(slot)
         if alone and self._cold[slot] == start and start % self.unit == 0:
             self._cold[slot] = start + len(tokens) // self.unit * self.unit
         cells = list(range(self._next_cell, self._next_cell + len(tokens)))
         self._next_cell += len(tokens)
-        self._tokens[slot].extend(tokens)
+        self._tokens.extend(slot, tokens)
         self._cells[slot].extend(cells)
         if self.shared:
             self._refs.update(cells)
 
     def truncate(self, slot: int, keep: int) -> None:
         """Drop the slot's positions from ``keep`` on (``seq_rm``)."""
-        if keep >= len(self._tokens[slot]):
+        if keep >= self._tokens.length(slot):
             return
         self.ctx.seq_rm(slot, keep, -1)
         self._forget(self._cells[slot][keep:])
         del self._cells[slot][keep:]
-        self._tokens[slot].truncate(keep)
+        self._tokens.truncate(slot, keep)
         self._cold[slot] = min(self._cold[slot], keep)
 
     def release(self, slot: int, *, owner: str | None = None) -> None:
@@ -352,7 +313,7 @@ class PrefixCache:
         if self.state[slot] != "active":
             raise KvrtError(f"slot {slot} is {self.state[slot]}, not active")
         self._owner[slot] = owner
-        if not len(self._tokens[slot]):
+        if not self._tokens.length(slot):
             self.state[slot] = "free"
             return
         self.state[slot] = "cached"
@@ -369,9 +330,9 @@ class PrefixCache:
     def restore(self, slot: int, entry: HostEntry, keep: int) -> bool:
         """Load a host copy into an empty active slot and keep its first ``keep`` positions; False (the slot
         left empty) when llama.cpp refuses it, e.g. with no run of free cells long enough."""
-        if self.state[slot] != "active" or len(self._tokens[slot]):
+        if self.state[slot] != "active" or self._tokens.length(slot):
             raise KvrtError(f"a host copy is restored into an empty active slot; slot {slot} is {self.state[slot]} "
-                            f"holding {len(self._tokens[slot])} positions")
+                            f"holding {self._tokens.length(slot)} positions")
         if slot in self._unsettled:  # a pending stream copy would overwrite (or read) what the restore writes
             return False
         try:
@@ -395,7 +356,7 @@ class PrefixCache:
         self.ctx.seq_rm(slot)  # also when the mirror holds nothing: a failed decode may have left cells
         self._forget(self._cells[slot])
         self._cells[slot].clear()
-        self._tokens[slot].truncate(0)
+        self._tokens.truncate(slot, 0)
         self._cold[slot] = 0
         self._owner[slot] = None
         self.state[slot] = "free"
@@ -436,7 +397,7 @@ class PrefixCache:
         if self.host is None:
             return False
         for slot in self._eviction:
-            tokens = self._tokens[slot].view()
+            tokens = self._tokens.view(slot)
             if (slot not in self._unsettled
                     and not self.host.holds(tokens, cold=self._cold[slot], owner=self._owner[slot])
                     and self._worth_a_copy(slot)):
@@ -451,11 +412,12 @@ class PrefixCache:
         and drop others' copies for room, for the few tokens each holds of its own (the H200 run of 64 agents
         after a fanout of one 8k document: 64 copies of ~470 MB each in one admission, 2.6 s); what they share
         stays in the slot or copy that holds it, and the rest is recomputed."""
-        tokens = self._tokens[slot].view()
+        tokens = self._tokens.view(slot)
         if self.host is None or not self.host.worth_keeping(len(tokens)):
             return False
         half = tokens[:(len(tokens) + 1) // 2]  # a prefix this long held elsewhere: no copy
-        if any(other != slot and self.state[other] != "free" and self._tokens[other].begins_with(half)
+        shared = self._tokens.common_prefixes(half)
+        if any(other != slot and self.state[other] != "free" and shared[other] == len(half)
                for other in range(self.n_slots)):
             return False
         _, copied = self.host_prefix(tokens)
