@@ -7,6 +7,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvrt.runtime.slot_tokens import SlotTokens
+from test_prefixes import shared  # the element-by-element count
 
 SLOTS = 4
 tokens = st.lists(st.integers(1, 3), max_size=12)  # a small alphabet: slots share prefixes often
@@ -15,13 +16,6 @@ edits = st.lists(st.one_of(
     st.tuples(st.just("truncate"), st.integers(0, SLOTS - 1), st.integers(0, 40)),
     st.tuples(st.just("copy"), st.integers(0, SLOTS - 1), st.integers(0, SLOTS - 1)),  # extend dst by src's tokens
 ), max_size=30)
-
-
-def shared(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 @settings(max_examples=300, deadline=None)
@@ -45,7 +39,7 @@ def test_the_table_answers_what_a_list_a_slot_answers(operations, probes):
         assert table.view(slot, 5).tolist() == reference[slot][:5]
     for raw in probes + reference:  # each slot's own tokens too: a probe equal to a row, and prefixes of rows
         probe = np.asarray(raw, dtype=np.int64)
-        assert table.common_prefixes(probe).tolist() == [shared(row, raw) for row in reference]
+        assert table.common_prefixes(probe).tolist() == [shared(tuple(row), tuple(raw)) for row in reference]
         for slot in range(SLOTS):
             assert table.begins_with(slot, probe) == (reference[slot][:len(raw)] == raw)
 
