@@ -145,7 +145,7 @@ class PrefixCache:
         """The unpinned cached slot whose every token begins ``tokens`` (int64), with more to come: a
         conversation's next turn finding its history where the last turn left it (``None``: no such slot)."""
         for slot in self._eviction:  # the unpinned cached slots: few while many requests run
-            held = self._tokens.length(slot)
+            held = self.held(slot)
             if 0 < held < len(tokens) and self._tokens.begins_with(slot, tokens[:held]):
                 return slot
         return None
@@ -197,7 +197,7 @@ class PrefixCache:
         if not self.reusable(slot):
             raise KvrtError(f"slot {slot} is {self.state[slot]}{' and pinned' if slot in self.pinned else ''}; "
                             "only an unpinned cached slot can be taken over")
-        if 2 * keep < self._tokens.length(slot) and self._worth_a_copy(slot):
+        if 2 * keep < self.held(slot) and self._worth_a_copy(slot):
             self._copy_to_host(slot)
         self._eviction.discard(slot)
         self.state[slot] = "active"
@@ -206,9 +206,9 @@ class PrefixCache:
     def copy_prefix(self, src: int, dst: int, p0: int, p1: int) -> None:
         """``dst`` (holding exactly ``p0`` positions) gets ``src``'s positions [p0, p1): their cells when
         shared; in the split layout a copy of ``src``'s stream cut at ``p1``, so ``p0`` must be 0."""
-        if self._tokens.length(dst) != p0 or self._tokens.length(src) < p1 or (p0 > 0 and not self.shared):
-            raise KvrtError(f"cannot share positions [{p0}, {p1}) of slot {src} ({self._tokens.length(src)} held) "
-                            f"onto slot {dst} ({self._tokens.length(dst)} held)"
+        if self.held(dst) != p0 or self.held(src) < p1 or (p0 > 0 and not self.shared):
+            raise KvrtError(f"cannot share positions [{p0}, {p1}) of slot {src} ({self.held(src)} held) "
+                            f"onto slot {dst} ({self.held(dst)} held)"
                             f"{'' if self.shared else '; one stream per slot copies a prefix whole, from 0'}")
         if p1 <= p0:
             return
@@ -220,7 +220,7 @@ class PrefixCache:
             self._refs.update(cells)
         else:
             self.ctx.seq_cp(src, dst)  # the whole stream, copied on the device at the next decode
-            if p1 < self._tokens.length(src):
+            if p1 < self.held(src):
                 self.ctx.seq_rm(dst, p1, -1)
             self._unsettled.update((src, dst))
             self.appended(dst, self._tokens.view(src, p1))
@@ -287,7 +287,7 @@ class PrefixCache:
         ``alone``: they were a prompt chunk with the step to itself; from a start that is cold and whole units
         from 0, its whole units count as computed cold (a cold prefill cuts the same micro-batches there).
         """
-        start = self._tokens.length(slot)
+        start = self.held(slot)
         if alone and self._cold[slot] == start and start % self.unit == 0:
             self._cold[slot] = start + len(tokens) // self.unit * self.unit
         cells = list(range(self._next_cell, self._next_cell + len(tokens)))
@@ -299,7 +299,7 @@ class PrefixCache:
 
     def truncate(self, slot: int, keep: int) -> None:
         """Drop the slot's positions from ``keep`` on (``seq_rm``)."""
-        if keep >= self._tokens.length(slot):
+        if keep >= self.held(slot):
             return
         self.ctx.seq_rm(slot, keep, -1)
         self._forget(self._cells[slot][keep:])
@@ -313,7 +313,7 @@ class PrefixCache:
         if self.state[slot] != "active":
             raise KvrtError(f"slot {slot} is {self.state[slot]}, not active")
         self._owner[slot] = owner
-        if not self._tokens.length(slot):
+        if not self.held(slot):
             self.state[slot] = "free"
             return
         self.state[slot] = "cached"
@@ -330,9 +330,9 @@ class PrefixCache:
     def restore(self, slot: int, entry: HostEntry, keep: int) -> bool:
         """Load a host copy into an empty active slot and keep its first ``keep`` positions; False (the slot
         left empty) when llama.cpp refuses it, e.g. with no run of free cells long enough."""
-        if self.state[slot] != "active" or self._tokens.length(slot):
+        if self.state[slot] != "active" or self.held(slot):
             raise KvrtError(f"a host copy is restored into an empty active slot; slot {slot} is {self.state[slot]} "
-                            f"holding {self._tokens.length(slot)} positions")
+                            f"holding {self.held(slot)} positions")
         if slot in self._unsettled:  # a pending stream copy would overwrite (or read) what the restore writes
             return False
         try:
