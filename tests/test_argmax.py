@@ -2,7 +2,8 @@
 
 import numpy as np
 import pytest
-from kvrt.engine.argmax import PARALLEL_MIN_VALUES, argmax_rows
+from kvrt.engine.argmax import DEFAULT_THREADS, PARALLEL_MIN_VALUES, argmax_rows, set_threads
+from kvrt.errors import InvalidArgument
 
 
 @pytest.mark.parametrize("rows", [1, 3, 32, 33])
@@ -20,3 +21,20 @@ def test_ties_pick_the_first_maximum_like_llamas_greedy_sampler():
     expected = np.full(16, 5)
     expected[7] = 2
     assert np.array_equal(argmax_rows(matrix), expected)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 5])
+def test_picks_equal_numpys_with_any_thread_count(threads):
+    matrix = np.random.default_rng(threads).standard_normal((33, PARALLEL_MIN_VALUES // 8), dtype=np.float32)
+    try:
+        set_threads(threads)
+        assert np.array_equal(argmax_rows(matrix), matrix.argmax(axis=1))
+    finally:
+        set_threads(DEFAULT_THREADS)
+
+
+def test_a_thread_count_below_one_is_refused_and_the_pool_kept():
+    matrix = np.random.default_rng(0).standard_normal((8, PARALLEL_MIN_VALUES // 4), dtype=np.float32)
+    with pytest.raises(InvalidArgument, match="argmax threads"):
+        set_threads(0)
+    assert np.array_equal(argmax_rows(matrix), matrix.argmax(axis=1))

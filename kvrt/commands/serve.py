@@ -137,6 +137,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the longest a Python thread holds the GIL while another waits for it "
                              "(sys.setswitchinterval): every GIL release the engine's thread makes (a NumPy pass, a "
                              "llama.cpp call) may cost it this long while HTTP threads parse or stream")
+    parser.add_argument("--argmax-threads", type=int, default=None,
+                        help="threads a decode step's greedy picks are split among (1: one NumPy call on the engine's "
+                             "thread, one GIL hand-off; default: the CPUs, at most 8)")
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="clients served at once; more get ERR TOO_MANY_CONNECTIONS")
     parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,
@@ -157,6 +160,10 @@ def run(args: argparse.Namespace) -> int:
     from kvrt.serve.registry import ModelRegistry
 
     sys.setswitchinterval(args.gil_switch_s)
+    if args.argmax_threads is not None:
+        from kvrt.engine.argmax import set_threads
+
+        set_threads(args.argmax_threads)
     table = load_vram_table(args.vram_table) if args.vram_table else None
     devices = _device_ledgers(args)
     if devices is not None:

@@ -1,8 +1,10 @@
 """The first maximum of each row of a logits matrix, on several threads when the matrix is large.
 
-Greedy decoding of 32 sequences of a 152k-token vocabulary reads 19.5 MB of logits a step; one NumPy
-``argmax`` over them is ~1.2-2.5 ms of the step's host time, while the GPU waits for the next batch.
-NumPy releases the GIL inside ``argmax``, so row groups on a few threads finish in a fraction of that.
+Greedy decoding of 32 sequences of a 152k-token vocabulary reads 19.5 MB of logits a step, while the GPU waits
+for the next batch. NumPy releases the GIL inside ``argmax``, so row groups on a few threads can finish in a
+fraction of one thread's time; but each worker takes the GIL to start its group, and beside busy Python threads
+(the HTTP front streaming tokens) every such hand-off may cost a switch interval. :func:`set_threads` chooses
+(``kvrt serve --argmax-threads``; 1: one NumPy call on the caller's thread, one hand-off).
 Each row's pick is exactly ``matrix.argmax(axis=1)``'s: the split is by whole rows.
 """
 
@@ -13,21 +15,46 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from kvrt.checks import check_int
+
 PARALLEL_MIN_VALUES = 1 << 20
 """Below this many logits (4 MiB of float32) one thread is faster than handing rows out."""
 
-_WORKERS = max(1, min(8, os.cpu_count() or 1))
-_POOL = ThreadPoolExecutor(_WORKERS, thread_name_prefix="kvrt-argmax")  # its threads start at the first use
+DEFAULT_THREADS = max(1, min(8, os.cpu_count() or 1))
+
+
+class _Pool:
+    """The worker threads, made at the first split (none while ``threads`` is 1)."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.executor: ThreadPoolExecutor | None = None
+
+    def map_rows(self, matrix: np.ndarray, parts: int) -> np.ndarray:
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kvrt-argmax")
+        bounds = np.linspace(0, matrix.shape[0], parts + 1).astype(int)
+        groups = self.executor.map(lambda a, b: matrix[a:b].argmax(axis=1), bounds[:-1], bounds[1:])
+        return np.concatenate(list(groups))
+
+
+_pool = _Pool(DEFAULT_THREADS)
+
+
+def set_threads(threads: int) -> None:
+    """Split large matrices among ``threads`` threads from now on (1: never split). Process-wide, like the GIL
+    it works around; the previous workers finish what they hold and exit."""
+    global _pool
+    old, _pool = _pool, _Pool(check_int(threads, "argmax threads", low=1))
+    if old.executor is not None:
+        old.executor.shutdown(wait=False)
 
 
 def argmax_rows(matrix: np.ndarray) -> np.ndarray:
     """``matrix.argmax(axis=1)``: each row's first highest entry, rows split among threads when large."""
-    rows = matrix.shape[0]
-    parts = min(_WORKERS, rows)
+    pool = _pool
+    parts = min(pool.threads, matrix.shape[0])
     if parts < 2 or matrix.size < PARALLEL_MIN_VALUES:
         picks: np.ndarray = matrix.argmax(axis=1)
         return picks
-    bounds = np.linspace(0, rows, parts + 1).astype(int)
-    groups = _POOL.map(lambda a, b: matrix[a:b].argmax(axis=1), bounds[:-1], bounds[1:])
-    return np.concatenate(list(groups))
-
+    return pool.map_rows(matrix, parts)
