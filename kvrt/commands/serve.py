@@ -139,7 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "llama.cpp call) may cost it this long while HTTP threads parse or stream")
     parser.add_argument("--argmax-threads", type=int, default=None,
                         help="threads a decode step's greedy picks are split among (1: one NumPy call on the engine's "
-                             "thread, one GIL hand-off; default: the CPUs, at most 8)")
+                             "thread, one GIL hand-off; default: half the CPUs, at most 8)")
     parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                         help="clients served at once; more get ERR TOO_MANY_CONNECTIONS")
     parser.add_argument("--idle-timeout-s", type=float, default=DEFAULT_IDLE_TIMEOUT_S,

@@ -20,7 +20,9 @@ from kvrt.checks import check_int
 PARALLEL_MIN_VALUES = 1 << 20
 """Below this many logits (4 MiB of float32) one thread is faster than handing rows out."""
 
-DEFAULT_THREADS = max(1, min(8, os.cpu_count() or 1))
+DEFAULT_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
+"""Half the CPUs, at most 8: on two cores a second worker only adds the hand-offs (``bench/RESULTS.md``, "A decode
+step's greedy picks on one thread or two")."""
 
 
 class _Pool:
