@@ -7,7 +7,8 @@ the next step can start. The step traces put that sample phase at 1.4-1.9 ms on 
 while the same argmax over a cache-warm array takes a fraction of it here. This probe separates
 the two: each repetition copies fresh logits from the device into a pinned buffer (as llama.cpp
 does), then times one row-wise argmax of it on 1, 2, 4, 8 and 16 threads, and kvrt's own
-``argmax_rows``; the picks are checked against ``argmax(axis=1)`` of the same buffer.
+``argmax_rows``, each alone and beside a busy Python thread; the picks are checked against
+``argmax(axis=1)`` of the same buffer.
 Usage: probe_host_argmax.py [--rows 32] [--vocab 152064] [--reps 50] [--out F]
 """
 
@@ -15,11 +16,13 @@ Usage: probe_host_argmax.py [--rows 32] [--vocab 152064] [--reps 50] [--out F]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import kvrt  # noqa: F401  (loads llama.cpp before NumPy and CuPy: see DEVELOPING.md)
@@ -40,6 +43,20 @@ def split_picker(threads: int) -> Picker:
         bounds = np.linspace(0, matrix.shape[0], threads + 1).astype(int)
         return np.concatenate(list(pool.map(lambda a, b: matrix[a:b].argmax(axis=1), bounds[:-1], bounds[1:])))
     return pick
+
+
+@contextlib.contextmanager
+def busy_python_thread() -> Iterator[None]:
+    """One thread running Python meanwhile, as the HTTP front's are while a step's tokens stream: every GIL hand-off
+    of a picker may then wait for the switch interval."""
+    stop = threading.Event()
+    busy = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
+    busy.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        busy.join()
 
 
 def time_picker(pick: Picker, device: cupy.ndarray, host: np.ndarray, reps: int) -> float:
@@ -70,9 +87,12 @@ def main() -> None:
     for pick in pickers.values():  # starts each pool's threads, unrecorded
         time_picker(pick, device, host, 2)
     results = {name: time_picker(pick, device, host, args.reps) for name, pick in pickers.items()}
+    with busy_python_thread():
+        results |= {f"{name}, busy thread": time_picker(pick, device, host, args.reps)
+                    for name, pick in pickers.items()}
     megabytes = host.nbytes / 1e6
     for name, ms in results.items():
-        print(f"{name:<18} {ms:6.3f} ms ({megabytes / ms:5.1f} GB/s)", flush=True)
+        print(f"{name:<30} {ms:7.3f} ms ({megabytes / ms:5.1f} GB/s)", flush=True)
     numa = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     numa_lines = [line for line in numa.splitlines() if "NUMA" in line or "Model name" in line]
     print("\n".join(numa_lines))

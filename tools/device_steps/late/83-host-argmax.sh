@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 24: how fast the host picks greedy tokens from logits the GPU just copied into pinned memory, on 1-16
 # threads and with kvrt's argmax_rows (tools/probe_host_argmax.py): 32 rows x 152,064 (Qwen2.5's vocabulary).
-# Budget ~15 s (CuPy start, 7 pickers x 50 copies of 19.5 MB). Writes $RESULTS/host-argmax/{probe.json,probe.log}.
+# Budget ~20 s (CuPy start, 7 pickers x 50 copies of 19.5 MB, alone and beside a busy Python thread). Writes $RESULTS/host-argmax/{probe.json,probe.log}.
 set -uo pipefail
 out="${RESULTS:-/tmp/kvrt-results}/host-argmax"
 mkdir -p "$out"
