@@ -26,15 +26,14 @@ step's greedy picks on one thread or two")."""
 
 
 class _Pool:
-    """The worker threads, made at the first split (none while ``threads`` is 1)."""
+    """The worker threads (an executor's threads start at its first split; none while ``threads`` is 1)."""
 
     def __init__(self, threads: int) -> None:
         self.threads = threads
-        self.executor: ThreadPoolExecutor | None = None
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="kvrt-argmax") if threads > 1 else None
 
     def map_rows(self, matrix: np.ndarray, parts: int) -> np.ndarray:
-        if self.executor is None:
-            self.executor = ThreadPoolExecutor(self.threads, thread_name_prefix="kvrt-argmax")
+        assert self.executor is not None  # parts >= 2 only where threads >= 2
         bounds = np.linspace(0, matrix.shape[0], parts + 1).astype(int)
         groups = self.executor.map(lambda a, b: matrix[a:b].argmax(axis=1), bounds[:-1], bounds[1:])
         return np.concatenate(list(groups))
