@@ -20,6 +20,7 @@ if [ -z "$src" ]; then
 fi
 llama="$src/vendor/llama.cpp"
 [ -f "$llama/tools/server/CMakeLists.txt" ] || { echo "no vendor/llama.cpp/tools/server under $src" >&2; exit 1; }
+mkdir -p "$(dirname "$build")"  # the configure log goes beside the build folder (a fresh $HOME has no .cache/kvrt)
 # LLAMA_BUILD_APP=OFF: the unified binary needs app/, which trimmed copies lack;
 # LLAMA_USE_PREBUILT_UI=OFF: otherwise configure downloads the web UI; LLAMA_OPENSSL=OFF: no HTTPS needed.
 cmake -S "$llama" -B "$build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DLLAMA_CURL=OFF \
