@@ -126,6 +126,20 @@ def test_the_roomy_arm_runs_exactly_what_llama_server_cannot_hold(tiny_model_pat
     assert peer.auto_cells(4, {"fits": fits, "short": short}) // 4 >= short.cells_per_agent  # roomy's cells
 
 
+def test_the_roomy_arm_runs_without_llama_servers_host_prompt_cache_unless_told(tiny_model_path, tmp_path):
+    config = ServerConfig(tiny_model_path, 1024, 4, 512, 256, "off", 1)
+    binary = tmp_path / "llama-server"
+
+    def argv(name: str, server_args: str) -> list[str]:
+        args = _args("--model", str(tiny_model_path), "--server-args", server_args, out=tmp_path)
+        return peer._make_arm(name, config, args, binary, tmp_path).argv
+
+    assert argv(peer.ROOMY, "")[-2:] == ["--cache-ram", "0"]
+    assert "--cache-ram" not in argv("llama-server", "")  # the plain arm keeps llama-server's default
+    # llama.cpp reads its options in order: the user's own value comes after the arm's, so it wins
+    assert argv(peer.ROOMY, "--cache-ram 512 -t 2")[-6:] == ["--cache-ram", "0", "--cache-ram", "512", "-t", "2"]
+
+
 def test_the_kvrt_arm_alone_serves_every_turn_in_full(tiny_model_path, tmp_path):
     args = _args("--model", str(tiny_model_path), "--arms", "kvrt", "--agents", "2", "--threads", "1",
                  "--flash-attn", "off", *TINY_SIZES, out=tmp_path)

@@ -23,7 +23,7 @@ Ratios: kvrt / llama-server wall time and tokens/s (same round), the ideal's tim
 kvrt's. llama-server runs only where every slot's share of the cells (``cells / N``)
 holds an agent's whole history; elsewhere its row says why it was skipped, and with ``--roomy``
 an arm ``llama-server-roomy`` runs those workloads with the cells its slots need (``N`` x the
-longest history), and so does their ideal.
+longest history; their ideal gets as many) and its host prompt cache off.
 """
 
 from __future__ import annotations
@@ -60,6 +60,11 @@ from kvrt_bench._stats import machine, ratios, summarize, write_csv, write_json
 HELP = "kvrt's OpenAI server vs llama.cpp's llama-server (same GGUF, libllama, cells): fanout, swarm, private"
 ARMS = ("kvrt", "llama-server")
 ROOMY = "llama-server-roomy"  # llama-server with the cells its slots need, for what --cells cannot hold (--roomy)
+# The roomy arm keeps every agent's history in its own slot, so llama-server's host prompt cache (--cache-ram) can
+# only add work there: each time a later workload takes a slot over, it copies the slot's whole state to host RAM
+# and, once full, drops the oldest copy (bench/RESULTS.md, "H100, 2026-12-07 (second session)"). Off, as the arm
+# best configured for what it runs; a --cache-ram in --server-args comes later and wins.
+ROOMY_SERVER_ARGS = ("--cache-ram", "0")
 # sizes per preset: (shared, own, turns, append) per workload, output tokens a turn, cells, n_batch, flash attention
 PRESETS: dict[str, dict[str, Any]] = {
     "cpu": {"fanout": (992, 32, 1, 0), "swarm": (512, 64, 4, 128), "private": (0, 768, 2, 64), "gen": 16,
@@ -103,8 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--roomy", action="store_true",
                         help="also an arm llama-server-roomy: llama-server given the cells its slots need (N x the "
                              "longest agent history), run only for the workloads it cannot hold in --cells (issue "
-                             "24's fanout goal is against llama-server given the cells it needs); the ideal of "
-                             "those workloads gets as many")
+                             "24's fanout goal is against llama-server given the cells it needs), with its host prompt "
+                             "cache off (--cache-ram 0: every agent keeps its own slot); the ideal of those "
+                             "workloads gets as many cells")
     parser.add_argument("--llama-server", default=None, help="llama-server binary (else $KVRT_LLAMA_SERVER, PATH)")
     parser.add_argument("--batched-bench", default=None,
                         help="llama-batched-bench binary (else $KVRT_BATCHED_BENCH, beside llama-server, PATH)")
@@ -222,7 +228,8 @@ def _make_arm(name: str, config: ServerConfig, args: argparse.Namespace, server:
         trace = ["--step-trace", str(trace_dir)] if trace_dir is not None else []
         return kvrt_arm(replace(config, extra=shlex.split(args.kvrt_args) + trace))
     assert server is not None
-    return llama_server_arm(replace(config, extra=shlex.split(args.server_args)), server, lib,
+    extra = [*(ROOMY_SERVER_ARGS if name == ROOMY else ()), *shlex.split(args.server_args)]
+    return llama_server_arm(replace(config, extra=extra), server, lib,
                             unified=name == "llama-server-unified", name=name)
 
 
