@@ -256,10 +256,7 @@ CPU_HOST_TIER = ("host-tier/bench_host_tier-512.json", "host-tier/bench_host_tie
 H200_PEER = ("peer-fdbb77a/call1/n32/peer/peer.json",)
 H200_PEER_POOL = ("peer/n32/peer/peer.json", "peer/n8/peer/peer.json")
 CPU_PEER = ("peer-2c1117a/peer.json",)
-H100_PEER = ("peer-e3c6042/n32/peer/peer.json",)
-H100_PEER_PADS = ("peer-dc9230f/n32/peer/peer.json",)
-H100_PEER_ALL = ("peer-980202b/call2/n32/peer/peer.json", "peer-980202b/call2/n8/peer/peer.json")
-H100_PEER_WAIT = ("peer-3d065a9/call1/n32/peer/peer.json",)
+H100_PEER = ("peer-095202f/call1/peer/n32/peer/peer.json", "peer-095202f/call4-cache-ram0/peer/n64/peer/peer.json")
 H100_MULTIMODEL = ("multimodel-3d23534/multimodel.json", "multimodel-bursty-e3c6042/multimodel.json")
 ROWS = (
     Row("two agents over a 3,501-token document, end to end vs the warm baseline (bound 2), and the ideal",
@@ -290,19 +287,12 @@ ROWS = (
         "faster by), and batched-bench's ideal / kvrt",
         Cell(lambda f: peer(f, H200_PEER), H200_PEER, "h200-2026-12-06"),
         Cell(lambda f: peer(f, CPU_PEER), CPU_PEER, "cpu-2026-12-07"), "-"),
+    Row("the same on an NVIDIA H100 80GB (2026-12-07), commit 095202f, N = 32 and 64 (at N = 64 llama-server "
+        "given the cells it needs and its host prompt cache off, `--cache-ram 0`; with its default, and the earlier "
+        "H100 runs: `bench/RESULTS.md`)",
+        Cell(lambda f: peer(f, H100_PEER), H100_PEER, "h100-2026-12-07"), None, "-"),
     Row("the same on the H200 of 2026-12-05, commit 8dbdb04 (before the step layout's work), N = 32 and 8",
         Cell(lambda f: peer(f, H200_PEER_POOL), H200_PEER_POOL, "h200-2026-12-05"), None, "-"),
-    Row("the same on an NVIDIA H100 80GB (this column's only H100 figures: the GPU lent on 2026-12-05), N = 32, "
-        "commit e3c6042 (step traces: `bench/RESULTS.md`)",
-        Cell(lambda f: peer(f, H100_PEER), H100_PEER, "h100-2026-12-05"), None, "-"),
-    Row("the same on another H100 (2026-12-06), commit dc9230f (gap padding), private and swarm only",
-        Cell(lambda f: peer(f, H100_PEER_PADS), H100_PEER_PADS, "h100-2026-12-06"), None, "-"),
-    Row("the same on another H100 (2026-12-06, later), commit 980202b (even chunks, threaded picks), N = 32 and 8, "
-        "every workload (N = 64: `bench/RESULTS.md`)",
-        Cell(lambda f: peer(f, H100_PEER_ALL), H100_PEER_ALL, "h100-2026-12-06"), None, "-"),
-    Row("the same on another H100 (2026-12-06, third session), commit 3d065a9 (decode rows wait, even chunks "
-        "fixed), N = 32, every workload (a second call and N = 64: `bench/RESULTS.md`)",
-        Cell(lambda f: peer(f, H100_PEER_WAIT), H100_PEER_WAIT, "h100-2026-12-06"), None, "-"),
     Row("three models each asking for a huge context", Cell(coresidence, ("coresidence/agents.json",)), None,
         "lmxd: file size x 1.5 estimates"),
     Row("layer streaming at balance, vs serial",
