@@ -15,6 +15,8 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
 
+from kvrt.system.cpu import EXTRA_BUFTS_ENV, safe_extra_bufts  # noqa: E402
+
 from kvrt_bench import peer  # noqa: E402
 from kvrt_bench._peer_client import TurnResult, token_agreement, turn_metrics  # noqa: E402
 from kvrt_bench._peer_servers import (  # noqa: E402
@@ -22,6 +24,7 @@ from kvrt_bench._peer_servers import (  # noqa: E402
     PeerError,
     ServerArm,
     ServerConfig,
+    batched_bench,
     find_llama_server,
 )
 from kvrt_bench._peer_workloads import Sizes, WorkloadError, build, safe_vocabulary  # noqa: E402
@@ -140,6 +143,16 @@ def test_the_roomy_arm_runs_without_llama_servers_host_prompt_cache_unless_told(
     assert argv(peer.ROOMY, "--cache-ram 512 -t 2")[-6:] == ["--cache-ram", "0", "--cache-ram", "512", "-t", "2"]
 
 
+def test_every_arm_loads_the_weights_as_kvrts_verdict_for_this_cpu_says(tiny_model_path, tmp_path):
+    args = _args("--model", str(tiny_model_path), out=tmp_path)
+    for extra_bufts, flag, env in ((True, "--repack", "on"), (False, "--no-repack", "off")):
+        config = ServerConfig(tiny_model_path, 64, 4, 512, 256, "off", 1, extra_bufts)
+        assert flag in peer._make_arm("llama-server", config, args, tmp_path / "llama-server", tmp_path).argv
+        assert peer._make_arm("kvrt", config, args, None, tmp_path).env[EXTRA_BUFTS_ENV] == env
+        ideal = batched_bench(tmp_path / "llama-batched-bench", tmp_path, config, 32, 4, False, 1.0)
+        assert "skipped" in ideal and flag in ideal["argv"].split()  # 4 x 36 cells do not fit 64: never started
+
+
 def test_the_kvrt_arm_alone_serves_every_turn_in_full(tiny_model_path, tmp_path):
     args = _args("--model", str(tiny_model_path), "--arms", "kvrt", "--agents", "2", "--threads", "1",
                  "--flash-attn", "off", *TINY_SIZES, out=tmp_path)
@@ -157,6 +170,7 @@ def test_the_kvrt_arm_alone_serves_every_turn_in_full(tiny_model_path, tmp_path)
     # each later prompt: the previous one + 4 output tokens + 8 new ones
     assert [int(r["prompt_tokens"]) for r in swarm] == [32, 44, 56]
     assert result["libraries"]["kvrt"] and (tmp_path / "peer" / "peer.csv").exists()
+    assert result["extra_bufts"]["use"] == safe_extra_bufts().use_extra_bufts
 
 
 @pytest.fixture()

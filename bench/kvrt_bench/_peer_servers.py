@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvrt.errors import KvrtError
+from kvrt.system.cpu import EXTRA_BUFTS_ENV
 
 from kvrt_bench._peer_client import TurnResult
 
@@ -106,7 +107,13 @@ def http_json(port: int, path: str, body: Any = None, timeout_s: float = 30.0) -
 
 @dataclass
 class ServerConfig:
-    """What both servers get alike: model, KV cells, agents (slots), batch sizes, flash attention, threads."""
+    """What both servers get alike: model, KV cells, agents (slots), batch sizes, flash attention, threads, and
+    whether llama.cpp's extra CPU buffer types (AMX tiles, repacked weights) hold the weights kept on the CPU.
+
+    ``extra_bufts`` is kvrt's verdict for this machine (``kvrt.system.cpu.safe_extra_bufts``): kvrt gets it through
+    ``EXTRA_BUFTS_ENV``, llama.cpp's tools as ``--repack`` / ``--no-repack``, so every arm runs the same kernels and
+    none meets the ones a VM advertises but kills the process for (README, "Machines that advertise more than they
+    honour")."""
 
     model: Path
     cells: int
@@ -115,7 +122,12 @@ class ServerConfig:
     prefill_chunk: int
     flash_attn: str
     threads: int | None
+    extra_bufts: bool = True
     extra: list[str] = field(default_factory=list)  # arm-specific arguments, passed through
+
+    def repack_flag(self) -> str:
+        """llama.cpp's common option that sets ``extra_bufts``."""
+        return "--repack" if self.extra_bufts else "--no-repack"
 
 
 @dataclass
@@ -220,7 +232,8 @@ def kvrt_arm(config: ServerConfig) -> ServerArm:
             "--n-ctx", str(config.cells), "--slots", str(config.slots), "--n-batch", str(config.n_batch),
             "--prefill-chunk", str(config.prefill_chunk), "--flash-attn", config.flash_attn]
     argv += ["--threads", str(config.threads)] if config.threads else []
-    return ServerArm("kvrt", argv + config.extra, dict(os.environ), "/v1/models", port, config.model.stem)
+    env = dict(os.environ) | {EXTRA_BUFTS_ENV: "on" if config.extra_bufts else "off"}
+    return ServerArm("kvrt", argv + config.extra, env, "/v1/models", port, config.model.stem)
 
 
 def llama_server_arm(config: ServerConfig, binary: Path, lib: Path, unified: bool,
@@ -231,7 +244,7 @@ def llama_server_arm(config: ServerConfig, binary: Path, lib: Path, unified: boo
     port = free_port()
     argv = [str(binary), "-m", str(config.model), "-c", str(config.cells), "-np", str(config.slots),
             "-b", str(config.n_batch), "-ub", str(UBATCH), "-fa", config.flash_attn, "-ngl", "all", "--fit", "off",
-            "--host", HOST, "--port", str(port)]
+            config.repack_flag(), "--host", HOST, "--port", str(port)]
     argv += ["-t", str(config.threads)] if config.threads else []
     argv += ["--kv-unified"] if unified else []
     name = name or ("llama-server-unified" if unified else "llama-server")
@@ -266,7 +279,7 @@ def batched_bench(binary: Path, lib: Path, config: ServerConfig, prompt: int, ge
     need = config.slots * (prompt + gen)
     argv = [str(binary), "-m", str(config.model), "-c", str(config.cells), "-b", str(config.n_batch), "-ub",
             str(UBATCH), "-fa", config.flash_attn, "-ngl", "all", "-npp", str(prompt), "-ntg", str(gen),
-            "-npl", str(config.slots), "--output-format", "jsonl"] + (["-pps"] if shared else [])
+            "-npl", str(config.slots), config.repack_flag(), "--output-format", "jsonl"] + (["-pps"] if shared else [])
     argv += ["-t", str(config.threads)] if config.threads else []
     out: dict[str, Any] = {"argv": " ".join(argv), "prompt": prompt, "gen": gen, "n": config.slots, "shared": shared}
     if need > config.cells:

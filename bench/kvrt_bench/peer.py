@@ -39,6 +39,7 @@ from typing import Any
 
 from kvrt.errors import KvrtError
 from kvrt.modelfiles.demo_model import demo_model_path
+from kvrt.system.cpu import safe_extra_bufts
 
 from kvrt_bench._log import log
 from kvrt_bench._peer_client import TurnResult, run_workload, stream_turn, token_agreement, turn_metrics
@@ -253,13 +254,14 @@ def run(args: argparse.Namespace) -> int:
     trace_dir = out / "steps" / "server" if args.step_trace else None  # the kvrt server's own file, sliced per workload
     (out / "logs").mkdir(parents=True, exist_ok=True)
     vocabulary = safe_vocabulary(path)
+    verdict = safe_extra_bufts()
     results: dict[str, Any] = {
         "machine": machine(), "command": " ".join(["kvrt bench peer", *sys.argv[3:]]), "model": path.name,
         "config": {k: v for k, v in vars(args).items() if not callable(v)},
         "sizes": {name: asdict(s) | {"cells_per_agent": s.cells_per_agent} for name, s in sizes.items()},
         "binaries": {"llama-server": str(server) if server else None,
                      "llama-batched-bench": str(bench) if bench else None, "libllama_dir": str(lib)},
-        "libraries": {}, "ideal": {}}
+        "extra_bufts": {"use": verdict.use_extra_bufts, "reason": verdict.reason}, "libraries": {}, "ideal": {}}
     rows: list[dict[str, Any]] = []
     requests: list[dict[str, Any]] = []
     replies: dict[tuple[int, str, str], list[TurnResult]] = {}
@@ -268,9 +270,10 @@ def run(args: argparse.Namespace) -> int:
         cells = (preset["cells"] if args.cells is None else args.cells) or auto_cells(n, sizes)
         config = ServerConfig(path, cells, n,
                               args.n_batch or preset["n_batch"], args.prefill_chunk or preset["prefill_chunk"],
-                              args.flash_attn or preset["flash_attn"], args.threads)
+                              args.flash_attn or preset["flash_attn"], args.threads, verdict.use_extra_bufts)
         log(f"N={n}: {config.cells} cells, n_batch {config.n_batch}, flash attention {config.flash_attn}, "
-            f"{path.name}; workloads " + ", ".join(f"{w} {s.cells_per_agent} cells/agent" for w, s in sizes.items()))
+            f"{path.name}, {config.repack_flag()}; workloads "
+            + ", ".join(f"{w} {s.cells_per_agent} cells/agent" for w, s in sizes.items()))
         roomy = replace(config, cells=max(config.cells, auto_cells(n, sizes)))
         short = [w for w, s in sizes.items() if _skip_reason("llama-server", config, s)]
         ran = [a for a in arms if a != ROOMY or short]  # the roomy arm only where llama-server cannot run
