@@ -255,7 +255,7 @@ H200_HOST_TIER = ("host-tier/doc-8192.json", "host-tier/doc-32768.json")
 CPU_HOST_TIER = ("host-tier/bench_host_tier-512.json", "host-tier/bench_host_tier-2048.json")
 H200_PEER = ("peer-fdbb77a/call1/n32/peer/peer.json",)
 H200_PEER_POOL = ("peer/n32/peer/peer.json", "peer/n8/peer/peer.json")
-CPU_PEER = ("peer-2c1117a/peer.json",)
+CPU_PEER = ("peer-2c1117a/peer.json", "peer-d42386e-n32/peer.json")
 H100_PEER = ("peer-095202f/call1/peer/n32/peer/peer.json", "peer-095202f/call4-cache-ram0/peer/n64/peer/peer.json")
 H100_MULTIMODEL = ("multimodel-3d23534/multimodel.json", "multimodel-bursty-e3c6042/multimodel.json")
 ROWS = (
@@ -283,8 +283,8 @@ ROWS = (
         Cell(lambda f: host_tier(f, H200_HOST_TIER), H200_HOST_TIER, "h200-2026-12-04"),
         Cell(lambda f: host_tier(f, CPU_HOST_TIER), CPU_HOST_TIER, "cpu-2026-12-04"), "-"),
     Row("many agents over OpenAI's HTTP API, all at once: kvrt (`--kv-layout auto`) vs llama.cpp's `llama-server`, "
-        "same GGUF, libllama and cells (H200: 163,840, flash attention on; CPU: the demo model); wall time (kvrt "
-        "faster by), and batched-bench's ideal / kvrt",
+        "same GGUF, libllama and cells (H200: 163,840, flash attention on; CPU: the demo model, N = 8 at commit "
+        "2c1117a, N = 32 at d42386e, three rounds each); wall time (kvrt faster by), and batched-bench's ideal / kvrt",
         Cell(lambda f: peer(f, H200_PEER), H200_PEER, "h200-2026-12-06"),
         Cell(lambda f: peer(f, CPU_PEER), CPU_PEER, "cpu-2026-12-07"), "-"),
     Row("the same on an NVIDIA H100 80GB (2026-12-07), commit 095202f, N = 32 and 64 (at N = 64 llama-server "
