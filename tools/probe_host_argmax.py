@@ -6,9 +6,9 @@ pinned output buffer; kvrt's engine reads them with :func:`kvrt.engine.argmax.ar
 the next step can start. The step traces put that sample phase at 1.4-1.9 ms on the GPU machines,
 while the same argmax over a cache-warm array takes a fraction of it here. This probe separates
 the two: each repetition copies fresh logits from the device into a pinned buffer (as llama.cpp
-does), then times one row-wise argmax of it on 1, 2, 4, 8 and 16 threads, and kvrt's own
-``argmax_rows``, each alone and beside a busy Python thread; the picks are checked against
-``argmax(axis=1)`` of the same buffer.
+does), then times kvrt's ``argmax_rows`` over it with the rows split among 1, 2, 4, 8 and 16
+threads and kvrt's default (``set_threads``), each alone and beside a busy Python thread; the
+picks are checked against ``argmax(axis=1)`` of the same buffer.
 Usage: probe_host_argmax.py [--rows 32] [--vocab 152064] [--reps 50] [--out F]
 """
 
@@ -22,33 +22,25 @@ import statistics
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 
 import kvrt  # noqa: F401  (loads llama.cpp before NumPy and CuPy: see DEVELOPING.md)
 import cupy
 import cupyx
 import numpy as np
 
-from kvrt.engine.argmax import argmax_rows
+from kvrt.engine.argmax import DEFAULT_THREADS, argmax_rows, set_threads
 
-Picker = Callable[[np.ndarray], np.ndarray]
-
-
-def split_picker(threads: int) -> Picker:
-    """Row groups of a matrix on ``threads`` threads, each group's ``argmax(axis=1)``."""
-    pool = ThreadPoolExecutor(threads)
-
-    def pick(matrix: np.ndarray) -> np.ndarray:
-        bounds = np.linspace(0, matrix.shape[0], threads + 1).astype(int)
-        return np.concatenate(list(pool.map(lambda a, b: matrix[a:b].argmax(axis=1), bounds[:-1], bounds[1:])))
-    return pick
+THREADS = {"1 thread": 1, "2 threads": 2, "4 threads": 4, "8 threads": 8, "16 threads": 16,
+           "kvrt argmax_rows": DEFAULT_THREADS}
+"""What is timed: ``argmax_rows`` with its rows split among this many threads (1: one NumPy call); the last is
+kvrt's default for this machine."""
 
 
 @contextlib.contextmanager
 def busy_python_thread() -> Iterator[None]:
     """One thread running Python meanwhile, as the HTTP front's are while a step's tokens stream: every GIL hand-off
-    of a picker may then wait for the switch interval."""
+    of the picks may then wait for the switch interval."""
     stop = threading.Event()
     busy = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
     busy.start()
@@ -59,16 +51,19 @@ def busy_python_thread() -> Iterator[None]:
         busy.join()
 
 
-def time_picker(pick: Picker, device: cupy.ndarray, host: np.ndarray, reps: int) -> float:
-    """Median milliseconds of ``pick`` over ``host`` right after a fresh device-to-host copy into it."""
+def time_picks(threads: int, device: cupy.ndarray, host: np.ndarray, reps: int) -> float:
+    """Median milliseconds of ``argmax_rows`` on ``threads`` threads over ``host``, each right after a fresh
+    device-to-host copy into it (two repetitions first, unrecorded, start the pool's threads)."""
+    set_threads(threads)
     times = []
-    for _ in range(reps):
+    for rep in range(reps + 2):
         device.get(out=host)  # waits for the copy, as llama.cpp's synchronize does before kvrt reads
         t0 = time.perf_counter()
-        picks = pick(host)
-        times.append((time.perf_counter() - t0) * 1e3)
+        picks = argmax_rows(host)
+        if rep >= 2:
+            times.append((time.perf_counter() - t0) * 1e3)
         if not np.array_equal(picks, host.argmax(axis=1)):
-            raise SystemExit("a picker's rows differ from argmax(axis=1)")
+            raise SystemExit(f"argmax_rows on {threads} threads picked rows other than argmax(axis=1)")
     return statistics.median(times)
 
 
@@ -81,15 +76,10 @@ def main() -> None:
     args = parser.parse_args()
     device = cupy.random.standard_normal((args.rows, args.vocab), dtype=cupy.float32)
     host = cupyx.zeros_pinned((args.rows, args.vocab), dtype=np.float32)
-    pickers: dict[str, Picker] = {"1 thread": lambda m: m.argmax(axis=1)}
-    pickers |= {f"{n} threads": split_picker(n) for n in (2, 4, 8, 16)}
-    pickers["kvrt argmax_rows"] = argmax_rows
-    for pick in pickers.values():  # starts each pool's threads, unrecorded
-        time_picker(pick, device, host, 2)
-    results = {name: time_picker(pick, device, host, args.reps) for name, pick in pickers.items()}
+    results = {name: time_picks(threads, device, host, args.reps) for name, threads in THREADS.items()}
     with busy_python_thread():
-        results |= {f"{name}, busy thread": time_picker(pick, device, host, args.reps)
-                    for name, pick in pickers.items()}
+        results |= {f"{name}, busy thread": time_picks(threads, device, host, args.reps)
+                    for name, threads in THREADS.items()}
     megabytes = host.nbytes / 1e6
     for name, ms in results.items():
         print(f"{name:<30} {ms:7.3f} ms ({megabytes / ms:5.1f} GB/s)", flush=True)
