@@ -20,6 +20,7 @@ import pytest
 from kvrt import Context, GenerationParams, generate
 from kvrt.runtime.admission import WAIT_FOR_SHARE
 from kvrt.runtime.admission import EngineConfig
+from kvrt.runtime import batching
 from kvrt.runtime.batching import Engine
 from kvrt.prefixes import common_prefix
 from kvrt.runtime.requests import (
@@ -273,6 +274,23 @@ def test_a_finished_turns_slot_is_held_for_its_next_turn_ahead_of_a_new_request(
         assert results[hold_s][1].choices[0].tokens == alone(tiny_model, c, greedy(4))
     assert results[2.0][0].end.cached_tokens == history
     assert results[0.0][0].end.cached_tokens < history
+
+
+def test_a_request_waiting_for_a_held_slot_is_placed_when_that_hold_ends(tiny_model, monkeypatch):
+    """The slot a waiting request would evict need not be the least recently used one: a claim avoids the slot the
+    request copies its prefix from. Here c shares a's document and waits for b's slot, released last; the worker
+    must wake when b's hold ends, not when a's does and then at its next idle re-check. That re-check is made an
+    hour long, so a worker waiting for it would leave c waiting past ``WAIT_S``."""
+    monkeypatch.setattr(batching, "_IDLE_WAIT_S", 3600.0)
+    doc = text_tokens(tiny_model, "A document that two of the agents read, word for word")
+    a, c = doc + text_tokens(tiny_model, " first", bos=False), doc + text_tokens(tiny_model, " then", bos=False)
+    b = text_tokens(tiny_model, "Something else entirely")
+    with engine(tiny_model, n_seq_max=2, kv_layout="unified", hold_s=0.3) as eng:
+        for prompt, agent in ((a, "a"), (b, "b")):  # a in slot 0, b in slot 1: a's is the least recently used
+            eng.submit(Request(prompt, greedy(4), agent=agent)).result(WAIT_S)
+        third = eng.submit(Request(c, greedy(4), agent="c")).result(WAIT_S)
+    assert third.end.cached_tokens == common_prefix(np.array(a), np.array(c))  # a's document, from a's slot
+    assert third.choices[0].tokens == alone(tiny_model, c, greedy(4))
 
 
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), True])

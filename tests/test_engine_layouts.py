@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from kvrt.runtime import batching
 from kvrt.runtime.admission import EngineConfig, Layout
 from kvrt.runtime.batching import Engine
 from kvrt.runtime.layout_policy import _roomier
@@ -100,6 +101,24 @@ def test_auto_turns_unified_for_a_request_longer_than_a_slot_and_split_again_whe
     assert small.choices[0].tokens == alone(tiny_model, short[0], greedy(4))
     assert big.choices[0].tokens == alone(tiny_model, long, greedy(4))
     assert again.choices[0].tokens == alone(tiny_model, short[1] + [5, 6, 7], greedy(4))
+
+
+def test_auto_makes_a_switch_as_soon_as_it_is_chosen(tiny_model, monkeypatch):
+    """Two requests longer than a slot, sharing a document, arrive together: the worker chooses one pool for them
+    and recreates the context in the same turn of its loop, not after an idle wait (made an hour long here, so
+    waiting for it would leave them waiting past ``WAIT_S``); then two private ones turn it split again."""
+    monkeypatch.setattr(batching, "_IDLE_WAIT_S", 3600.0)
+    doc = private_histories(tiny_model.n_vocab, 1, 300, seed=12)[0]  # more than a slot's 256 cells
+    prompts = [doc + tail[1:] for tail in private_histories(tiny_model.n_vocab, 2, 9, seed=13)]
+    short = private_histories(tiny_model.n_vocab, 2, 40, seed=14)
+    with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64, kv_layout="auto", split_after_idle_s=3600) as eng:
+        shared = [s.result(WAIT_S) for s in [eng.submit(Request(p, greedy(3))) for p in prompts]]
+        pooled = eng.stats()
+        private = [s.result(WAIT_S) for s in [eng.submit(Request(p, greedy(3))) for p in short]]
+        split = eng.stats()
+    assert (pooled.kv_layout, pooled.relayouts, split.kv_layout, split.relayouts) == ("unified", 1, "split", 2)
+    for prompt, result in zip(prompts + short, shared + private):
+        assert result.choices[0].tokens == alone(tiny_model, prompt, greedy(3))
 
 
 def test_auto_stays_unified_through_pauses_shorter_than_split_after_idle_s(tiny_model):

@@ -307,7 +307,7 @@ class Engine:
                 log.exception("engine step failed")
                 self._fail_all(EngineError(f"the engine's step failed: {exc!r}"), queued=False)
                 busy = False
-            if not busy:
+            if not busy and self._layout_policy.switch_to is None:  # a switch is made at once, not after a wait
                 self._wake.wait(min(_IDLE_WAIT_S, self._layout_policy.recheck_in or _IDLE_WAIT_S,
                                     self._hold_ends_in or _IDLE_WAIT_S))
                 self._wake.clear()
@@ -410,9 +410,9 @@ class Engine:
                 break
         self._stops = share_stops(self.cache, head, self._live, self.config.prefill_chunk)
         self._admit_continuations(head)
-        victim = self.cache.next_victim()
-        hold_left = -1.0 if victim is None else self.cache.released_at(victim) + self.config.hold_s - time.monotonic()
-        self._hold_ends_in = hold_left if hold_left > 0 else None
+        now = time.monotonic()
+        released = self.cache.next_release_after(now - self.config.hold_s)  # any held slot may be what head waits for
+        self._hold_ends_in = None if released is None else released + self.config.hold_s - now
 
     def _admit_one(self, pending: Pending, *, layout: bool) -> bool:
         """Place ``pending``: True when it left the queue (placed, or refused with its error), False while it

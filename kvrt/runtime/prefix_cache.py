@@ -141,6 +141,11 @@ class PrefixCache:
         """When the slot's last sequence finished and left it cached (``time.monotonic``; -inf: never)."""
         return self._released_at[slot]
 
+    def next_release_after(self, since: float) -> float | None:
+        """The earliest :meth:`released_at` later than ``since`` among the unpinned cached slots (``None``: none):
+        with ``since = now - hold_s``, the slot whose hold (``EngineConfig.hold_s``) ends first."""
+        return min((t for slot in self._eviction if (t := self._released_at[slot]) > since), default=None)
+
     def continued_by(self, tokens: np.ndarray) -> int | None:
         """The unpinned cached slot whose every token begins ``tokens`` (int64), with more to come: a
         conversation's next turn finding its history where the last turn left it (``None``: no such slot)."""
