@@ -293,6 +293,44 @@ def test_a_request_waiting_for_a_held_slot_is_placed_when_that_hold_ends(tiny_mo
     assert third.choices[0].tokens == alone(tiny_model, c, greedy(4))
 
 
+@pytest.mark.parametrize("layout", ["split", "unified"])
+def test_a_warm_up_leaves_nothing_behind_for_the_requests_that_follow(tiny_model, monkeypatch, layout):
+    """``warmup="on"``: the worker decodes twice before its first step (a micro-batch in one slot, a token in every
+    slot) and empties the cache. The requests then run as they do without a warm-up: the same tokens as each
+    alone, the same counters, the prefix cache's mirror equal to what llama.cpp holds."""
+    decodes: list[int] = []
+    decode = Context.decode
+    monkeypatch.setattr(Context, "decode", lambda ctx, batch: (decodes.append(batch.n_tokens), decode(ctx, batch))[1])
+    prompts = [text_tokens(tiny_model, p) for p in PROMPTS[:3]]
+    runs = {}
+    for warmup in ("on", "off"):
+        decodes.clear()
+        with engine(tiny_model, kv_layout=layout, warmup=warmup) as eng:
+            results = [s.result(WAIT_S) for s in [eng.submit(Request(p, greedy(4))) for p in prompts]]
+            stats = eng.stats()
+            assert all(eng.ctx.seq_len(slot) == eng.cache.held(slot) for slot in range(eng.cache.n_slots))
+        runs[warmup] = [r.choices[0].tokens for r in results], stats, list(decodes)
+    (on_tokens, on, on_decodes), (off_tokens, off, off_decodes) = runs["on"], runs["off"]
+    assert on_tokens == off_tokens == [alone(tiny_model, p, greedy(4)) for p in prompts]
+    assert (on.steps, on.prefilled_tokens, on.reused_tokens, on.decoded_tokens) == \
+        (off.steps, off.prefilled_tokens, off.reused_tokens, off.decoded_tokens)
+    assert on_decodes[:2] == [min(64, on.slot_cells - 1), 4] and on_decodes[2:] == off_decodes  # n_batch 64, 4 slots
+    assert len(off_decodes) == off.steps
+
+
+def test_a_warm_up_is_chosen_by_name_and_auto_follows_the_gpu(tiny_model):
+    from kvrt.bindings import lib
+    from test_operator_http import parse_serve
+
+    assert (parse_serve([]).warmup, parse_serve(["--warmup", "off"]).warmup) == ("auto", "off")
+    with pytest.raises(SystemExit):
+        parse_serve(["--warmup", "maybe"])
+    with pytest.raises(EngineError, match="warmup must be one of auto, on, off, got 'maybe'"):
+        EngineConfig(warmup="maybe")
+    with engine(tiny_model) as eng:  # auto, the model's layers wherever llama.cpp puts them (-1: all on a GPU)
+        assert eng._warms_up() == bool(lib().llama_supports_gpu_offload())
+
+
 @pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), True])
 def test_a_hold_that_is_not_a_finite_number_of_seconds_is_refused_by_name(bad):
     from test_operator_http import parse_serve

@@ -121,7 +121,8 @@ def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
                           decode_wait_s=getattr(args, "decode_wait_s", EngineConfig.decode_wait_s),
                           hold_s=getattr(args, "hold_s", EngineConfig.hold_s),
                           backend_sampling=getattr(args, "backend_sampling", "off") == "on",
-                          host_write_behind=getattr(args, "host_write_behind", "on") == "on")
+                          host_write_behind=getattr(args, "host_write_behind", "on") == "on",
+                          warmup=getattr(args, "warmup", EngineConfig.warmup))
     state_dir = getattr(args, "state_dir", None)
     options = HttpOptions(models=tuple(Path(p) for p in getattr(args, "model", None) or ()),
                           models_dir=Path(args.models_dir) if getattr(args, "models_dir", None) else None,

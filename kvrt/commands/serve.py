@@ -133,6 +133,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-write-behind", choices=("on", "off"), default="on",
                         help="with a host tier: while nothing runs or waits, cached histories are copied to the host "
                              "tier's free room, so the request that later evicts one does not wait for its copy")
+    parser.add_argument("--warmup", choices=("auto", "on", "off"), default="auto",  # EngineConfig.warmup
+                        help="before serving, decode a micro-batch of throwaway tokens and one in every slot, so "
+                             "llama.cpp's first use of its kernels (loaded on first launch by a GPU build) does not "
+                             "fall on the first requests (auto: where the model's layers are on a GPU)")
     parser.add_argument("--gil-switch-s", type=seconds(zero=False), default=sys.getswitchinterval(),
                         help="the longest a Python thread holds the GIL while another waits for it "
                              "(sys.setswitchinterval): every GIL release the engine's thread makes (a NumPy pass, a "
@@ -249,7 +253,7 @@ def _start_socket(args: argparse.Namespace, registry: ModelRegistry, budget: Bud
             host_bytes=args.batch_host_mib << 20, kv_layout=args.kv_layout,
             pad_gaps=args.pad_gaps == "on", even_chunks=args.even_chunks == "on",
             decode_wait_s=args.decode_wait_s, hold_s=args.hold_s, backend_sampling=args.backend_sampling == "on",
-            host_write_behind=args.host_write_behind == "on"),
+            host_write_behind=args.host_write_behind == "on", warmup=args.warmup),
             state_dir=args.state_dir)
     else:
         scheduler = Scheduler(ledger, registry, n_threads=args.threads, state_dir=args.state_dir,

@@ -41,6 +41,7 @@ WAIT_FOR_SHARE = 32  # prompt tokens another request is prefilling that are wort
 
 
 KV_LAYOUTS = ("auto", "split", "unified")
+WARMUPS = ("auto", "on", "off")
 CELL_ALIGN = 256  # llama.cpp rounds a context's cells, and a stream's, up to a multiple of this
 
 
@@ -78,7 +79,10 @@ class EngineConfig:
     (:meth:`kvrt.engine.context.Context.sample_on_device`), so no row of logits is copied out or scanned on the
     host for them. ``host_write_behind`` (with ``host_bytes``): while nothing runs or waits, cached slots are
     copied into the host tier's free room one by one, so an eviction later costs no copy in the admission that
-    makes it.
+    makes it. ``warmup``: before its first step the worker decodes a micro-batch of throwaway prompt tokens and one
+    token in every slot, and empties the cache again (:meth:`kvrt.runtime.batching.Engine`), so llama.cpp's first
+    use of its kernels in the process (a GPU build loads each when it is first launched) is paid at the start, not
+    in the first requests' steps; ``auto``: where the model's layers are on a GPU.
     """
 
     n_ctx: int = 4096
@@ -97,6 +101,7 @@ class EngineConfig:
     hold_s: float = 0.1  # how long a finished sequence's slot is held for its conversation's next turn (see above)
     backend_sampling: bool = False  # plain greedy rows picked in the decode's graph (see above)
     host_write_behind: bool = True  # an idle engine copies cached slots to the host tier before they are evicted
+    warmup: str = "auto"  # a throwaway decode before the first step: on, off, auto (on where the model is on a GPU)
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_seq_max", "n_batch", "prefill_chunk", "max_queue"):
@@ -114,6 +119,8 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
                 raise EngineError(f"EngineConfig.{name} must be a finite number >= 0, got {value!r}")
+        if self.warmup not in WARMUPS:
+            raise EngineError(f"EngineConfig.warmup must be one of {', '.join(WARMUPS)}, got {self.warmup!r}")
         if self.kv_layout not in KV_LAYOUTS:
             raise EngineError(f"EngineConfig.kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.kv_layout == "split" and not self.split_cells:

@@ -56,6 +56,7 @@ from typing import Any
 
 import numpy as np
 
+from kvrt.bindings import lib
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.decode_step import greedy_picks
@@ -292,12 +293,42 @@ class Engine:
 
     # -- the worker ---------------------------------------------------------------------
     def _run(self) -> None:
+        if self._warms_up():
+            self._warm_up()
         while not self._closing:
             with self.ctx._handle.use():  # the context is this thread's: nobody frees it under a decode
                 self._loop()
             layout = self._layout_policy.take_switch()
             if layout is not None:  # outside use(): the switch closes this context
                 self._switch(layout)
+
+    def _warms_up(self) -> bool:
+        """Whether the worker warms llama.cpp up before its first step (``EngineConfig.warmup``)."""
+        on_gpu = self.model.params.n_gpu_layers != 0 and bool(lib().llama_supports_gpu_offload())
+        return self.config.warmup == "on" or (self.config.warmup == "auto" and on_gpu)
+
+    def _warm_up(self) -> None:
+        """One micro-batch of throwaway prompt tokens in the first slot, then one token in every slot, decoded and
+        dropped before the first step (see ``EngineConfig.warmup``). Invariant: the cache is empty after it, as
+        the prefix cache's mirror has it, and no counter of :meth:`stats` moves; a failed warm-up is logged and
+        the engine serves as it would have without one."""
+        n = min(self.ctx.params.n_ubatch, self.cache.slot_cells - 1)
+        try:
+            with self.ctx._handle.use():
+                try:
+                    self.batch.clear()
+                    self.batch.add_sequence([i % self.model.n_vocab for i in range(n)], 0, 0, logits_last=True)
+                    self.ctx.decode(self.batch)
+                    self.batch.clear()
+                    for slot in range(self.cache.n_slots):
+                        self.batch.add_sequence((0,), n if slot == 0 else 0, slot, logits_last=True)
+                    self.ctx.decode(self.batch)
+                    self.ctx.synchronize()
+                finally:
+                    self.batch.clear()
+                    self.ctx.clear()
+        except KvrtError:
+            log.warning("the warm-up decode failed; serving without it", exc_info=True)
 
     def _loop(self) -> None:
         while not self._closing and self._layout_policy.switch_to is None:

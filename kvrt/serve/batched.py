@@ -88,6 +88,7 @@ class BatchConfig:
     hold_s: float = EngineConfig.hold_s
     backend_sampling: bool = EngineConfig.backend_sampling
     host_write_behind: bool = EngineConfig.host_write_behind
+    warmup: str = EngineConfig.warmup
 
     def engine(self) -> EngineConfig:
         return EngineConfig(n_ctx=self.n_ctx, n_seq_max=self.n_seq_max, n_batch=self.n_batch,
@@ -95,7 +96,7 @@ class BatchConfig:
                             flash_attn=self.flash_attn, host_bytes=self.host_bytes, kv_layout=self.kv_layout,
                             pad_gaps=self.pad_gaps, even_chunks=self.even_chunks, decode_wait_s=self.decode_wait_s,
                             hold_s=self.hold_s, backend_sampling=self.backend_sampling,
-                            host_write_behind=self.host_write_behind)
+                            host_write_behind=self.host_write_behind, warmup=self.warmup)
 
 
 class BatchedScheduler(AgentService[BatchedAgent]):
