@@ -3,11 +3,11 @@
 
 Under ``kv_layout="auto"`` the engine closes its context and makes one of the other layout
 when a burst needs it (a shared document longer than a slot's stream: one pool; private
-histories after that: a stream a slot). In the H100 peer runs of 095202f the fanout
-workload, which needs that switch, spent 0.79 s of its 2.26 s wall outside any engine step
-(private, which needs none, 0.13 s), and its first step took 157 ms against 18 ms for the
-same shape after it. This probe times, with the peer's sizes (``--cells`` 163,840 cells,
-``--slots`` 32, n_batch 2,048, micro-batch 512, flash attention on):
+histories after that: a stream a slot). Why: the peer's fanout and swarm, which need such a
+switch, spent far longer outside any engine step than private, which needs none, and a fresh
+server's first step was slower than the same shape after it (figures: ``bench/RESULTS.md``,
+"H100, 2026-12-07 (third session)"). This probe times, with the peer's sizes (``--cells``
+163,840 cells, ``--slots`` 32, n_batch 2,048, micro-batch 512, flash attention on):
 
 - ``llama_free`` of a context of each layout, and ``llama_init_from_model`` of each, with
   llama.cpp's own log lines stamped with the time since the call began (which phase of the
