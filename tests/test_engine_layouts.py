@@ -324,8 +324,9 @@ def test_roomier_layout_keeps_concurrency_within_half_of_one_pools():
 def test_the_roomier_layout_is_chosen_for_the_burst_not_its_first_request(tiny_model):
     """Agents that start together reach the engine over some tens of milliseconds. The first request longer than
     a slot, alone in the queue, is not yet given a layout (on its own it would get fewer, longer streams); the
-    choice waits until ``n_seq_max - 1`` requests wait behind it or it has waited SETTLE_S: four prompts sharing a
-    document then get one pool, and a lone one, once settled, its streams."""
+    choice waits until ``n_seq_max - 1`` requests wait behind it, one of them shares its document (one pool,
+    whatever else arrives), or it has waited SETTLE_S: four prompts sharing a document then get one pool, and a
+    lone one, once settled, its streams. A private prompt behind it settles nothing."""
     from kvrt.runtime.layout_policy import SETTLE_S, LayoutPolicy
 
     document = private_histories(tiny_model.n_vocab, 1, 260, seed=21)[0]
@@ -339,6 +340,13 @@ def test_the_roomier_layout_is_chosen_for_the_burst_not_its_first_request(tiny_m
         burst = LayoutPolicy()
         assert not burst.admits(head, cache, config, running=False, waiting=lambda: others, waited_s=0.01)
         assert (burst.switch_to, burst.recheck_in) == (Layout(shared=True, slots=4), None)
+        one_sharing = LayoutPolicy()
+        assert not one_sharing.admits(head, cache, config, running=False, waiting=lambda: others[:1], waited_s=0.01)
+        assert (one_sharing.switch_to, one_sharing.recheck_in) == (Layout(shared=True, slots=4), None)
+        private = Request(private_histories(tiny_model.n_vocab, 1, 280, seed=25)[0], greedy(6))
+        one_private = LayoutPolicy()
+        assert not one_private.admits(head, cache, config, running=False, waiting=lambda: [private], waited_s=0.01)
+        assert one_private.switch_to is None and one_private.recheck_in == pytest.approx(SETTLE_S - 0.01)
         settled = LayoutPolicy()
         assert not settled.admits(head, cache, config, running=False, waited_s=SETTLE_S)
         assert (settled.switch_to, settled.recheck_in) == (Layout(shared=False, slots=2), None)

@@ -6,14 +6,15 @@ context is recreated roomier: split into fewer, longer streams when the waiting 
 and those streams run at least half as many of them as one pool would (each sequence keeps attending over its
 own cells only; the rest queue), else one pool (unified: a shared prefix is computed once and held once, but
 every sequence attends over every used cell). The choice is made for the requests that arrive with it: once
-``n_seq_max - 1`` wait behind it, or it has waited :data:`SETTLE_S`. A roomier context chooses again, with
-nothing running, for such a request that finds less than half of its prompt cached (a burst of private histories
-after a shared document, or the reverse). Pinned prefixes keep the layout, so such a request is then refused.
-It turns back to the ``n_seq_max`` streams when nothing runs and either the request at the head of the queue fits
-one and finds less than half of its prompt cached (what the roomier layout caches is not what it needs), or the
-engine has been idle for ``split_after_idle_s`` (longer than agents pause between turns) and nothing it caches
-needs more than a slot. :class:`LayoutPolicy` answers the engine's worker at two points of a step (placing the
-head of the queue, finding nothing to decode) and records the switch it asks for.
+``n_seq_max - 1`` wait behind it, one that waits shares half of its prompt (that settles it: one pool), or it has
+waited :data:`SETTLE_S`. A roomier context chooses again, with nothing running, for such a request that finds
+less than half of its prompt cached (a burst of private histories after a shared document, or the reverse).
+Pinned prefixes keep the layout, so such a request is then refused. It turns back to the ``n_seq_max`` streams
+when nothing runs and either the request at the head of the queue fits one and finds less than half of its prompt
+cached (what the roomier layout caches is not what it needs), or the engine has been idle for
+``split_after_idle_s`` (longer than agents pause between turns) and nothing it caches needs more than a slot.
+:class:`LayoutPolicy` answers the engine's worker at two points of a step (placing the head of the queue, finding
+nothing to decode) and records the switch it asks for.
 
 Why apart: :class:`kvrt.runtime.batching.Engine` acts (its worker leaves the step loop, closes the context, makes
 the other and drops what both tiers cache); this module only decides, from the configuration, the prefix cache and
@@ -54,9 +55,9 @@ class LayoutPolicy:
         (:func:`_roomier`, for the requests ``waiting()`` behind it too, asked for only then) for one that needs
         more than a slot's stream once nothing runs, the ``n_seq_max`` streams for one that fits them and gains
         little from what is cached (see :func:`_split_now`). The roomier layout is chosen once ``n_seq_max - 1``
-        requests wait behind the head or it has waited :data:`SETTLE_S`: agents that start together arrive over
-        some tens of milliseconds, and the first alone says nothing of whether they share a prefix;
-        :attr:`recheck_in` then says when to ask again.
+        requests wait behind the head, one of them shares half of its prompt (one pool, whatever else arrives), or
+        it has waited :data:`SETTLE_S`: agents that start together arrive over some tens of milliseconds, and the
+        first alone says nothing of whether they share a prefix; :attr:`recheck_in` then says when to ask again.
         Raises :class:`RequestTooLarge` when pinned prefixes hold the split layout such a request cannot use."""
         self.recheck_in = None
         if not self._split_failed and _split_now(request, cache, config, running=running):
@@ -72,7 +73,8 @@ class LayoutPolicy:
         if running:
             return False
         behind = waiting()
-        if len(behind) < config.n_seq_max - 1 and waited_s < SETTLE_S:
+        settled = len(behind) >= config.n_seq_max - 1 or waited_s >= SETTLE_S
+        if not settled and not _shares_prefix(request, behind[:config.n_seq_max - 1]):
             self.recheck_in = SETTLE_S - waited_s
             return False
         layout = _roomier(request, behind, config)
