@@ -297,7 +297,8 @@ def test_a_request_waiting_for_a_held_slot_is_placed_when_that_hold_ends(tiny_mo
 def test_a_warm_up_leaves_nothing_behind_for_the_requests_that_follow(tiny_model, monkeypatch, layout):
     """``warmup="on"``: the worker decodes twice before its first step (a micro-batch in one slot, a token in every
     slot) and empties the cache. The requests then run as they do without a warm-up: the same tokens as each
-    alone, the same counters, the prefix cache's mirror equal to what llama.cpp holds."""
+    alone, the same counters, the prefix cache's mirror equal to what llama.cpp holds. The worker's first step
+    waits until all three are queued, so both runs see the same arrivals."""
     decodes: list[int] = []
     decode = Context.decode
     monkeypatch.setattr(Context, "decode", lambda ctx, batch: (decodes.append(batch.n_tokens), decode(ctx, batch))[1])
@@ -305,8 +306,12 @@ def test_a_warm_up_leaves_nothing_behind_for_the_requests_that_follow(tiny_model
     runs = {}
     for warmup in ("on", "off"):
         decodes.clear()
-        with engine(tiny_model, kv_layout=layout, warmup=warmup) as eng:
-            results = [s.result(WAIT_S) for s in [eng.submit(Request(p, greedy(4))) for p in prompts]]
+        gate = HoldGate()
+        gate.hold()
+        with engine(tiny_model, gate, kv_layout=layout, warmup=warmup) as eng:
+            streams = [eng.submit(Request(p, greedy(4))) for p in prompts]
+            gate.open()
+            results = [s.result(WAIT_S) for s in streams]
             stats = eng.stats()
             assert all(eng.ctx.seq_len(slot) == eng.cache.held(slot) for slot in range(eng.cache.n_slots))
         runs[warmup] = [r.choices[0].tokens for r in results], stats, list(decodes)
