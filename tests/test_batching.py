@@ -43,20 +43,42 @@ class StepGate:
     """A ``before_step`` hook that lets the engine's worker run only the steps a test allows."""
 
     def __init__(self) -> None:
-        self._permits = threading.Semaphore(0)
-        self._free = threading.Event()
+        self._state = threading.Condition()
+        self._allowed = 0  # steps the worker may still begin
+        self._free = False  # every step may begin
+        self._entered = 0  # steps the worker came to
+        self._passed = 0  # steps it began
 
     def __call__(self) -> None:
-        if not self._free.is_set():
-            self._permits.acquire()
+        with self._state:
+            self._entered += 1
+            self._state.notify_all()
+            self._state.wait_for(lambda: self._free or self._allowed > 0)
+            if not self._free:
+                self._allowed -= 1
+            self._passed += 1
 
     def allow(self, steps: int) -> None:
-        for _ in range(steps):
-            self._permits.release()
+        with self._state:
+            self._allowed += steps
+            self._state.notify_all()
 
     def open(self) -> None:
-        self._free.set()
-        self._permits.release()
+        with self._state:
+            self._free = True
+            self._state.notify_all()
+
+    def close(self) -> int:
+        """Gate the worker again; returns once it waits at its next step, with that step's number."""
+        with self._state:
+            self._free, self._allowed = False, 0
+            assert self._state.wait_for(lambda: self._entered > self._passed, WAIT_S), "the worker never stopped"
+            return self._entered
+
+    def wait_entered(self, steps: int) -> None:
+        """Block until the worker has come to its ``steps``-th step (so every step before it has ended)."""
+        with self._state:
+            assert self._state.wait_for(lambda: self._entered >= steps, WAIT_S), f"step {steps} never came"
 
 
 class HoldGate:
@@ -251,29 +273,81 @@ def test_a_conversations_next_turn_continues_in_its_slot_and_evicts_no_other(tin
 
 
 def test_a_finished_turns_slot_is_held_for_its_next_turn_ahead_of_a_new_request(tiny_model):
-    """Two slots, two conversations: a new request queued as both turns end would evict the first one's history
-    (the least recently used); with a hold, the first conversation's next turn, queued behind it, is placed ahead
-    of it and continues in its slot, and the new request takes a slot once it has waited the hold. Without one
-    (``hold_s=0``), the new request takes that slot and the next turn prefills its history again."""
+    """Two slots: a's conversation finished, b still decoding. A new request c admitted meanwhile would evict a's
+    history; with a hold, c waits, and a's next turn, arriving two steps later, continues in its slot. Without one
+    (``hold_s=0``), c takes that slot at once and the next turn prefills its history again."""
     a, b, c = (text_tokens(tiny_model, t) for t in ("First conversation here", "Second one, different",
                                                     "A third, new request"))
-    turn = text_tokens(tiny_model, " and then", bos=False)
-    results = {}
+    out_a = alone(tiny_model, a, greedy(6))
+    a2 = a + out_a + text_tokens(tiny_model, " and then", bos=False)
+    cached = {}
     for hold_s in (2.0, 0.0):
-        gate = HoldGate()
+        gate = StepGate()
         with engine(tiny_model, gate, n_seq_max=2, hold_s=hold_s) as eng:
-            out = {name: eng.submit(Request(p, greedy(6))).result(WAIT_S).choices[0].tokens
-                   for name, p in (("a", a), ("b", b))}
-            gate.hold()
-            new = eng.submit(Request(c, greedy(4)))
-            a2 = eng.submit(Request(a + out["a"] + turn, greedy(4)))
+            first, long = eng.submit(Request(a, greedy(6))), eng.submit(Request(b, greedy(400)))
             gate.open()
-            results[hold_s] = a2.result(WAIT_S), new.result(WAIT_S)
-        history = len(a) + len(out["a"]) - 1  # all but the last sampled token, never decoded
-        assert results[hold_s][0].choices[0].tokens == alone(tiny_model, a + out["a"] + turn, greedy(4))
-        assert results[hold_s][1].choices[0].tokens == alone(tiny_model, c, greedy(4))
-    assert results[2.0][0].end.cached_tokens == history
-    assert results[0.0][0].end.cached_tokens < history
+            assert first.result(WAIT_S).choices[0].tokens == out_a
+            step = gate.close()  # b decodes on, a step at a time
+            new = eng.submit(Request(c, greedy(4)))
+            gate.allow(2)
+            gate.wait_entered(step + 2)  # two steps admitted c, or held a's slot from it
+            turn = eng.submit(Request(a2, greedy(4)))
+            gate.open()
+            results = turn.result(WAIT_S), new.result(WAIT_S), long.result(WAIT_S)
+        assert [r.choices[0].tokens for r in results] == [alone(tiny_model, p, greedy(n))
+                                                          for p, n in ((a2, 4), (c, 4), (b, 400))]
+        cached[hold_s] = results[0].end.cached_tokens
+    history = len(a) + len(out_a) - 1  # all but the last sampled token, never decoded
+    assert cached[2.0] == history
+    assert cached[0.0] < history
+
+
+@pytest.mark.parametrize("hold_s", [0.0, 2.0])
+def test_a_queued_next_turn_is_placed_before_the_request_that_would_evict_its_history(tiny_model, hold_s):
+    """Two slots hold a's and b's finished conversations; a new request c and then a's next turn are queued
+    together. The next turn continues in its slot, and c takes b's, whether or not a hold is still running: a
+    step may outlast the hold (a GPU step that waited on the host's lock, every CPU step of a 7B model), and a
+    turn already queued has nothing left to wait for."""
+    a, b, c = (text_tokens(tiny_model, t) for t in ("First conversation here", "Second one, different",
+                                                    "A third, new request"))
+    gate = HoldGate()
+    with engine(tiny_model, gate, n_seq_max=2, hold_s=hold_s) as eng:
+        out_a = eng.submit(Request(a, greedy(6))).result(WAIT_S).choices[0].tokens
+        eng.submit(Request(b, greedy(6))).result(WAIT_S)
+        gate.hold()
+        new = eng.submit(Request(c, greedy(4)))
+        a2 = a + out_a + text_tokens(tiny_model, " and then", bos=False)
+        turn = eng.submit(Request(a2, greedy(4)))
+        gate.open()
+        results = turn.result(WAIT_S), new.result(WAIT_S)
+    assert [r.choices[0].tokens for r in results] == [alone(tiny_model, a2, greedy(4)), alone(tiny_model, c, greedy(4))]
+    assert results[0].end.cached_tokens == len(a) + len(out_a) - 1
+
+
+def test_next_turns_pass_a_waiting_request_over_at_most_n_seq_max_times(tiny_model):
+    """One slot, holding a's finished conversation; c is queued, then a's next turn a2, which passes c over and
+    continues in the slot. a3, queued while a2 runs, would pass c over a second time: the bound
+    (``Pending.passed_over`` reaching ``n_seq_max``) places c first, so a3 prefills its history again."""
+    a, c = text_tokens(tiny_model, "First conversation here"), text_tokens(tiny_model, "A third, new request")
+    turn = text_tokens(tiny_model, " and then", bos=False)
+    out_a = alone(tiny_model, a, greedy(6))
+    a2 = a + out_a + turn
+    a3 = a2 + alone(tiny_model, a2, greedy(4)) + turn
+    gate = StepGate()
+    with engine(tiny_model, gate, n_seq_max=1, hold_s=0) as eng:
+        first = eng.submit(Request(a, greedy(6)))
+        gate.open()
+        assert first.result(WAIT_S).choices[0].tokens == out_a
+        step = gate.close()
+        new, second = eng.submit(Request(c, greedy(4))), eng.submit(Request(a2, greedy(4)))
+        gate.allow(1)
+        gate.wait_entered(step + 1)  # that step placed a2 ahead of c: its new tokens and its first output token
+        third = eng.submit(Request(a3, greedy(4)))
+        gate.open()
+        results = second.result(WAIT_S), new.result(WAIT_S), third.result(WAIT_S)
+    assert [r.choices[0].tokens for r in results] == [alone(tiny_model, p, greedy(4)) for p in (a2, c, a3)]
+    assert results[0].end.cached_tokens == len(a) + len(out_a) - 1
+    assert results[2].end.cached_tokens < len(a2) + 4 - 1
 
 
 def test_a_request_waiting_for_a_held_slot_is_placed_when_that_hold_ends(tiny_model, monkeypatch):

@@ -71,10 +71,11 @@ class EngineConfig:
     chunks reads the weights once more for them (:meth:`kvrt.runtime.step_layout.BatchFiller._decodes_now`); 0:
     they join every step.
     ``hold_s``: a slot whose sequence finished less than this long ago is held for that conversation's next turn: a
-    request that would evict it waits, and requests that continue a history cached in a slot are placed ahead of
-    it, at most ``n_seq_max`` of them (:func:`kvrt.runtime.admission.place`); with more agents than slots, an
-    agent's next turn then finds its history where its last turn left it. 0: a waiting request takes any cached
-    slot at once.
+    request that would evict it waits (:func:`kvrt.runtime.admission.place`); with more agents than slots, an
+    agent's next turn then finds its history where its last turn left it. Whatever ``hold_s``, a queued request
+    that continues a history cached in a slot is placed ahead of the queue's head, at most ``n_seq_max`` of them
+    while it is the head (:meth:`kvrt.runtime.batching.Engine._admit`). 0: a waiting request takes any cached slot
+    whose next turn is not queued at once.
     ``backend_sampling``: a step's plain greedy rows (no logprobs) are picked inside llama.cpp's decode graph
     (:meth:`kvrt.engine.context.Context.sample_on_device`), so no row of logits is copied out or scanned on the
     host for them. ``host_write_behind`` (with ``host_bytes``): while nothing runs or waits, cached slots are

@@ -10,8 +10,8 @@ thread that repeats :meth:`Engine.step`:
    token prefix any slot already holds is shared with ``seq_cp`` (the prefix cache of
    :mod:`kvrt.runtime.prefix_cache`), so only the rest of the prompt is prefilled; a request
    waiting to share what another is prefilling stops that one's prompt at the shared end; a slot
-   whose request just finished is held for that conversation's next turn (``EngineConfig.hold_s``),
-   which is placed ahead of the requests that would evict it;
+   whose request just finished is held for that conversation's next turn (``EngineConfig.hold_s``), and a
+   queued next turn of a history cached in a slot is placed ahead of the requests that would evict it;
 3. one :class:`kvrt.engine.batch.Batch` laid out by :mod:`kvrt.runtime.step_layout`: the last
    sampled token of every decoding choice, then prompt chunks of at most ``prefill_chunk``
    tokens per request, round robin, up to ``n_batch`` tokens: a long prompt never stalls the
@@ -427,11 +427,17 @@ class Engine:
             self._finish_all(live, reason(live.stream) or "cancelled")
 
     def _admit(self) -> None:
-        """Waiting requests become live, in order, while slots and cells allow. When the queue's head is left
-        waiting, prefilling requests whose prefix it waits to share stop at its end this step
-        (:func:`kvrt.runtime.admission.share_stops`), and requests behind it that continue a history cached in a
-        slot are placed ahead of it (:meth:`_admit_continuations`)."""
+        """Waiting requests become live, in order, while slots and cells allow. Requests behind the queue's head
+        that continue a history cached in a slot are placed ahead of it (:meth:`_admit_continuations`): first,
+        until ``n_seq_max`` of them have passed it over, so that the head does not evict a history whose next turn
+        is already queued (a hold, ``EngineConfig.hold_s``, covers only a turn yet to come, and a step can outlast
+        it); and again when it is left waiting. Then prefilling requests whose prefix the head waits to share stop
+        at its end this step (:func:`kvrt.runtime.admission.share_stops`)."""
         self._stops, self._hold_ends_in = {}, None
+        with self._lock:
+            head = self._queue.head()
+        if head is not None and head.passed_over < self.cache.n_slots:
+            self._admit_continuations(head)  # before the head is tried: it may evict what they continue
         while True:
             with self._lock:
                 head = self._queue.head()
@@ -476,12 +482,13 @@ class Engine:
         return True
 
     def _admit_continuations(self, head: Pending) -> None:
-        """While ``head`` waits, each request behind it that continues a history cached in a slot (the next turn
-        of a conversation, :meth:`PrefixCache.continued_by`) and fits the layout is placed: it takes that slot
-        over in place and evicts nothing, so ``head``'s wait (for slots, or for a slot held for such a turn,
-        ``EngineConfig.hold_s``) does not cost the history. Each counts in ``head.passed_over``: once ``head`` has
-        been passed over ``n_seq_max`` times, no slot is held from it (the continuations take only slots it could
-        have had by evicting their histories; the bound keeps agents that never pause from holding them all)."""
+        """Each request behind ``head`` that continues a history cached in a slot (the next turn of a
+        conversation, :meth:`PrefixCache.continued_by`) and fits the layout is placed: it takes that slot over in
+        place and evicts nothing, so ``head`` (placed after them, or waiting for slots or for a slot held for such
+        a turn, ``EngineConfig.hold_s``) does not cost the history. Each counts in ``head.passed_over``: once
+        ``head`` has been passed over ``n_seq_max`` times, it is tried first and no slot is held from it (the
+        continuations take only slots it could have had by evicting their histories; the bound keeps agents that
+        never pause from holding them all)."""
         if self._layout_policy.switch_to is not None or self.cache.available_slots() == self.cache.free_slots():
             return  # the context is about to be recreated, or nothing cached can be continued
         with self._lock:
