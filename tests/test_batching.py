@@ -350,6 +350,24 @@ def test_next_turns_pass_a_waiting_request_over_at_most_n_seq_max_times(tiny_mod
     assert results[2].end.cached_tokens < len(a2) + 4 - 1
 
 
+def test_a_next_turn_that_comes_late_lengthens_the_hold(tiny_model):
+    """A next turn that finds its history in its slot is a sample of how long agents take to come back: one that
+    came at least 0.3 s after its last turn ended raises a 0.05 s hold to twice that (at most the cap), and
+    ``stats().hold_s`` says so. A request of another conversation is no sample."""
+    from kvrt.runtime.turn_hold import CAP_S
+
+    a, b = text_tokens(tiny_model, "First conversation here"), text_tokens(tiny_model, "Second one, different")
+    with engine(tiny_model, n_seq_max=2, hold_s=0.05) as eng:
+        out_a = eng.submit(Request(a, greedy(6))).result(WAIT_S).choices[0].tokens
+        eng.submit(Request(b, greedy(4))).result(WAIT_S)
+        assert eng.stats().hold_s == 0.05
+        time.sleep(0.3)
+        a2 = a + out_a + text_tokens(tiny_model, " and then", bos=False)
+        turn = eng.submit(Request(a2, greedy(4))).result(WAIT_S)
+        assert turn.end.cached_tokens == len(a) + len(out_a) - 1  # it continued in its slot
+        assert 0.6 <= eng.stats().hold_s <= CAP_S
+
+
 def test_a_request_waiting_for_a_held_slot_is_placed_when_that_hold_ends(tiny_model, monkeypatch):
     """The slot a waiting request would evict need not be the least recently used one: a claim avoids the slot the
     request copies its prefix from. Here c shares a's document and waits for b's slot, released last; the worker

@@ -180,8 +180,9 @@ def _measure(arm: ServerArm, workload: Workload, timeout_s: float,
     s = workload.sizes
     row = turn_metrics(results, workload.n_agents, s.turns, s.gen, wall)
     row |= {f"kvrt_{k}": after[k] - before[k] for k in KVRT_COUNTERS if k in after}
-    if "kv_layout" in after:
-        row["kvrt_kv_layout"] = after["kv_layout"]
+    for state in ("kv_layout", "hold_s"):  # what the engine ended the workload with
+        if state in after:
+            row[f"kvrt_{state}"] = after[state]
     ttft = " ".join(f"t{t + 1} {row[f'ttft_p50_ms_turn{t + 1}']:.0f}/{row[f'ttft_p99_ms_turn{t + 1}']:.0f}"
                     for t in range(s.turns))
     log(f"  {arm.name:>20} {workload.name:>8}: {wall:7.2f} s, {row['output_tokens_per_s']:7.1f} tok/s, "
@@ -216,7 +217,7 @@ def _step_times(row: dict[str, Any]) -> str:
             f"admit {per_step['admit_s']:.2f}, fill {per_step['fill_s']:.2f}, sample {per_step['sample_s']:.2f} "
             f"(worker CPU {per_step['host_cpu_s']:.2f}), "
             f"{row.get('kvrt_micro_batches', 0) / row['kvrt_steps']:.2f} llama.cpp micro-batches; "
-            f"layout {row.get('kvrt_kv_layout')}, "
+            f"layout {row.get('kvrt_kv_layout')}, hold {row.get('kvrt_hold_s', 0.0) * 1e3:.0f} ms, "
             f"{row.get('kvrt_relayouts', 0)} relayouts; {row.get('kvrt_host_kept', 0)} evicted slots copied to the "
             f"host tier in {row.get('kvrt_host_keep_s', 0.0):.2f} s, {row.get('kvrt_restored_tokens', 0)} tokens "
             f"restored; {row.get('kvrt_sampled_on_device', 0)} tokens sampled in the decode's graph "

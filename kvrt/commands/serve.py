@@ -122,10 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "prompt chunks cost llama.cpp a pass over all the weights of their own; their tokens "
                              "then come this far apart while others' prompts are computed (0: decode every step)")
     parser.add_argument("--hold-s", type=seconds(zero=True), default=0.1,  # EngineConfig.hold_s
-                        help="with more agents than slots: a slot whose request just finished is held this long for "
-                             "that conversation's next turn, which is placed ahead of requests that would evict it "
-                             "(at most a slot count of them, then nothing is held from a waiting request), so the "
-                             "turn finds its history in place instead of prefilling it again (0: no hold)")
+                        help="with more agents than slots: a slot whose request just finished is held at least this "
+                             "long for that conversation's next turn, longer (up to 1 s) where next turns are seen to "
+                             "take longer to come back; a queued next turn is placed ahead of requests that would "
+                             "evict its history (at most a slot count of them, then nothing is held from a waiting "
+                             "request), so the turn finds its history in place instead of prefilling it again (0: no "
+                             "hold)")
     parser.add_argument("--backend-sampling", choices=("on", "off"), default="off",
                         help="greedy requests without logprobs get their next token picked inside llama.cpp's "
                              "decode graph (llama.cpp's backend sampling), so no row of logits (4 bytes a vocabulary "

@@ -72,7 +72,9 @@ class EngineConfig:
     they join every step.
     ``hold_s``: a slot whose sequence finished less than this long ago is held for that conversation's next turn: a
     request that would evict it waits (:func:`kvrt.runtime.admission.place`); with more agents than slots, an
-    agent's next turn then finds its history where its last turn left it. Whatever ``hold_s``, a queued request
+    agent's next turn then finds its history where its last turn left it. The hold is at least ``hold_s``, and
+    longer where next turns are seen to take longer to come back (:mod:`kvrt.runtime.turn_hold`, at most
+    ``turn_hold.CAP_S``; ``EngineStats.hold_s`` is the one in force). Whatever ``hold_s``, a queued request
     that continues a history cached in a slot is placed ahead of the queue's head, at most ``n_seq_max`` of them
     while it is the head (:meth:`kvrt.runtime.batching.Engine._admit`). 0: a waiting request takes any cached slot
     whose next turn is not queued at once.
@@ -317,6 +319,7 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
     if hold_s and pending.passed_over < cache.n_slots and _evicts_a_held_slot(cache, src, m, request.agent,
                                                                                slots_needed, since=now - hold_s):
         return None
+    released = cache.released_at(src) if src is not None else None
     first, continued = _first_slot(cache, src, m, request.agent)
     restored = 0
     if src is not None and not continued:
@@ -326,6 +329,8 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
         if cache.restore(first, entry, h):
             m = restored = h
     live = Live(request, pending.stream, first, reused=m, restored=restored, pin=pending.pin, prefilled=m)
+    if continued and not pending.pin and released is not None and pending.queued_at >= released:  # a next turn
+        live.turnaround = pending.queued_at - released
     for i, sampler in enumerate(pending.samplers):
         slot = first if i == 0 else cache.claim()
         assert slot is not None  # available_slots() counted them

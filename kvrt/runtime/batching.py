@@ -10,8 +10,9 @@ thread that repeats :meth:`Engine.step`:
    token prefix any slot already holds is shared with ``seq_cp`` (the prefix cache of
    :mod:`kvrt.runtime.prefix_cache`), so only the rest of the prompt is prefilled; a request
    waiting to share what another is prefilling stops that one's prompt at the shared end; a slot
-   whose request just finished is held for that conversation's next turn (``EngineConfig.hold_s``), and a
-   queued next turn of a history cached in a slot is placed ahead of the requests that would evict it;
+   whose request just finished is held for that conversation's next turn (``EngineConfig.hold_s``,
+   or as long as next turns are seen to take: :mod:`kvrt.runtime.turn_hold`), and a queued next
+   turn of a history cached in a slot is placed ahead of the requests that would evict it;
 3. one :class:`kvrt.engine.batch.Batch` laid out by :mod:`kvrt.runtime.step_layout`: the last
    sampled token of every decoding choice, then prompt chunks of at most ``prefill_chunk``
    tokens per request, round robin, up to ``n_batch`` tokens: a long prompt never stalls the
@@ -93,6 +94,7 @@ from kvrt.runtime.requests import (
 )
 from kvrt.runtime.step_layout import BatchFiller, Row, StepBatch, sample_where
 from kvrt.runtime.step_trace import StepClock, StepRecord, StepTimer, StepTimes, StepTrace
+from kvrt.runtime.turn_hold import TurnHold
 from kvrt.state.hostpool import host_memory
 
 log = logging.getLogger(__name__)
@@ -128,7 +130,8 @@ class Engine:
         self._live: list[Live] = []
         self._pins: dict[str, int] = {}
         self._stops: dict[int, int] = {}  # slot -> where its prompt stops this step (admission.share_stops)
-        self._hold_ends_in: float | None = None  # seconds until the next slot's hold (EngineConfig.hold_s) ends
+        self._hold = TurnHold(self.config.hold_s, self.config.n_seq_max)  # EngineConfig.hold_s, or as measured
+        self._hold_ends_in: float | None = None  # seconds until the next slot's hold ends
         self._ids = itertools.count(1)
         self._wake = threading.Event()
         self._closing = False
@@ -244,7 +247,7 @@ class Engine:
             n_cells=cache.n_cells, slots=tuple(cache.describe()), kv_layout="unified" if cache.shared else "split",
             slot_cells=cache.slot_cells, relayouts=self._relayouts, micro_batches=self._micro_batches,
             host_dropped=host.dropped if host else 0, sampled_on_device=self._sampled_on_device,
-            sampler_switches=self._sampler_switches)
+            sampler_switches=self._sampler_switches, hold_s=self._hold.seconds)
 
     def close(self) -> None:
         """Stop the worker; waiting and running requests end with :class:`EngineClosed`."""
@@ -448,8 +451,9 @@ class Engine:
         self._stops = share_stops(self.cache, head, self._live, self.config.prefill_chunk)
         self._admit_continuations(head)
         now = time.monotonic()
-        released = self.cache.next_release_after(now - self.config.hold_s)  # any held slot may be what head waits for
-        self._hold_ends_in = None if released is None else released + self.config.hold_s - now
+        hold_s = self._hold.seconds
+        released = self.cache.next_release_after(now - hold_s)  # any held slot may be what head waits for
+        self._hold_ends_in = None if released is None else released + hold_s - now
 
     def _admit_one(self, pending: Pending, *, layout: bool) -> bool:
         """Place ``pending``: True when it left the queue (placed, or refused with its error), False while it
@@ -463,7 +467,7 @@ class Engine:
             reserved = sum(live.future_cells() for live in self._live)
             coming = max((common_prefix(x.request.prompt_array, request.prompt_array)
                           for x in self._live if x.prefilling), default=0)
-            live = place(self.cache, self.model, pending, reserved, coming, hold_s=self.config.hold_s)
+            live = place(self.cache, self.model, pending, reserved, coming, hold_s=self._hold.seconds)
         except RequestTooLarge as exc:
             with self._lock:
                 self._queue.take(pending)
@@ -475,6 +479,8 @@ class Engine:
             self._queue.take(pending)
         self._reused += live.reused
         self._restored += live.restored
+        if live.turnaround is not None:
+            self._hold.observe(live.turnaround)
         self._live.append(live)
         if live.pin and not live.prefilling:  # its whole prompt was cached: no prefill row will ever land
             self._pin_slot(live)

@@ -64,6 +64,7 @@ class Live:
     pin: bool = False
     prefilled: int = 0
     ended: bool = False
+    turnaround: float | None = None  # continuing its slot in place: seconds from that slot's release to its arrival
 
     @property
     def prompt(self) -> Sequence[int]:

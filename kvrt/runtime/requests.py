@@ -309,3 +309,5 @@ class EngineStats:
     sampler_switches: int = 0  # slots turned to or from that (each makes llama.cpp reserve its graphs again)
     micro_batches: int = 0  # llama.cpp's micro-batches of the steps' batches (kvrt.engine.micro_batches): each
     # reads every weight once, so micro_batches / steps above 1 is a GPU step's cost growing
+    hold_s: float = 0.0  # the hold in force for a finished turn's slot: EngineConfig.hold_s or as measured
+    # (kvrt.runtime.turn_hold)

@@ -1,0 +1,39 @@
+"""How long a finished sequence's slot is held for its conversation's next turn (``EngineConfig.hold_s``).
+
+A hold keeps a waiting request from evicting the history of an agent whose next turn is on its way
+(:func:`kvrt.runtime.admission.place`). How long that way is depends on the clients and the host, not on
+the engine: a few tens of milliseconds for an agent on a lightly loaded machine; hundreds for the last of
+thirty agents whose turns ended in the same step, on two cores shared with their clients. A fixed hold
+either lets the late ones lose their histories or makes new requests wait for agents that never return.
+
+:class:`TurnHold` measures instead. Each next turn that continues its history in place is a sample: the
+time from its slot's release to the turn's arrival in the queue. The hold is the configured one, or
+:data:`MARGIN` times the longest of the last ``window`` samples when that is longer, at most
+:data:`CAP_S`. Turns arriving late but within the hold raise it for the turns behind them. Where no agent
+comes back, no sample is taken, and the configured hold stays. A configured hold of 0 turns holds off.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+MARGIN = 2.0  # the hold over the longest recent turnaround: room for the next turn to be a little later
+CAP_S = 1.0  # the longest the measured hold may grow to (a configured hold_s longer than this is kept)
+
+
+class TurnHold:
+    """The hold in force (:attr:`seconds`): ``floor_s`` or what the recent turnarounds ask for."""
+
+    def __init__(self, floor_s: float, window: int) -> None:
+        self.floor_s = floor_s
+        self._turnarounds: deque[float] = deque(maxlen=max(1, window))
+
+    def observe(self, turnaround_s: float) -> None:
+        """A next turn came ``turnaround_s`` seconds after its slot was released, and found its history there."""
+        self._turnarounds.append(turnaround_s)
+
+    @property
+    def seconds(self) -> float:
+        if not self.floor_s or not self._turnarounds:
+            return self.floor_s
+        return max(self.floor_s, min(MARGIN * max(self._turnarounds), CAP_S))
