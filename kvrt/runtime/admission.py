@@ -74,10 +74,10 @@ class EngineConfig:
     request that would evict it waits (:func:`kvrt.runtime.admission.place`); with more agents than slots, an
     agent's next turn then finds its history where its last turn left it. The hold is at least ``hold_s``, and
     longer where next turns are seen to take longer to come back (:mod:`kvrt.runtime.turn_hold`, at most
-    ``turn_hold.CAP_S``; ``EngineStats.hold_s`` is the one in force). Whatever ``hold_s``, a queued request
-    that continues a history cached in a slot is placed ahead of the queue's head, at most ``n_seq_max`` of them
-    while it is the head (:meth:`kvrt.runtime.batching.Engine._admit`). 0: a waiting request takes any cached slot
-    whose next turn is not queued at once.
+    ``turn_hold.CAP_S``; ``EngineStats.hold_s`` is the one in force). Whatever ``hold_s``, a queued request that
+    continues a history cached in a slot is placed ahead of the queue's head, at most as many of them as the context
+    has slots while it is the head (:meth:`kvrt.runtime.batching.Engine._admit`). 0: a waiting request takes any
+    cached slot whose next turn is not queued at once.
     ``backend_sampling``: a step's plain greedy rows (no logprobs) are picked inside llama.cpp's decode graph
     (:meth:`kvrt.engine.context.Context.sample_on_device`), so no row of logits is copied out or scanned on the
     host for them. ``host_write_behind`` (with ``host_bytes``): while nothing runs or waits, cached slots are

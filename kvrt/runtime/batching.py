@@ -430,9 +430,9 @@ class Engine:
             self._finish_all(live, reason(live.stream) or "cancelled")
 
     def _admit(self) -> None:
-        """Waiting requests become live, in order, while slots and cells allow. Requests behind the queue's head
-        that continue a history cached in a slot are placed ahead of it (:meth:`_admit_continuations`): first,
-        until ``n_seq_max`` of them have passed it over, so that the head does not evict a history whose next turn
+        """Waiting requests become live, in order, while slots and cells allow. Requests behind the queue's head that
+        continue a history cached in a slot are placed ahead of it (:meth:`_admit_continuations`): first, until as
+        many as the context has slots have passed it over, so that the head does not evict a history whose next turn
         is already queued (a hold, ``EngineConfig.hold_s``, covers only a turn yet to come, and a step can outlast
         it); and again when it is left waiting. Then prefilling requests whose prefix the head waits to share stop
         at its end this step (:func:`kvrt.runtime.admission.share_stops`)."""
@@ -488,11 +488,11 @@ class Engine:
         return True
 
     def _admit_continuations(self, head: Pending) -> None:
-        """Each request behind ``head`` that continues a history cached in a slot (the next turn of a
-        conversation, :meth:`PrefixCache.continued_by`) and fits the layout is placed: it takes that slot over in
-        place and evicts nothing, so ``head`` (placed after them, or waiting for slots or for a slot held for such
-        a turn, ``EngineConfig.hold_s``) does not cost the history. Each counts in ``head.passed_over``: once
-        ``head`` has been passed over ``n_seq_max`` times, it is tried first and no slot is held from it (the
+        """Each request behind ``head`` that continues a history cached in a slot (the next turn of a conversation,
+        :meth:`PrefixCache.continued_by`) and fits the layout is placed: it takes that slot over in place and evicts
+        nothing, so ``head`` (placed after them, or waiting for slots or for a slot held for such a turn,
+        ``EngineConfig.hold_s``) does not cost the history. Each counts in ``head.passed_over``: once ``head`` has
+        been passed over as many times as the context has slots, it is tried first and no slot is held from it (the
         continuations take only slots it could have had by evicting their histories; the bound keeps agents that
         never pause from holding them all)."""
         if self._layout_policy.switch_to is not None or self.cache.available_slots() == self.cache.free_slots():
