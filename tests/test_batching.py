@@ -327,7 +327,8 @@ def test_a_queued_next_turn_is_placed_before_the_request_that_would_evict_its_hi
 def test_next_turns_pass_a_waiting_request_over_at_most_n_seq_max_times(tiny_model):
     """One slot, holding a's finished conversation; c is queued, then a's next turn a2, which passes c over and
     continues in the slot. a3, queued while a2 runs, would pass c over a second time: the bound
-    (``Pending.passed_over`` reaching ``n_seq_max``) places c first, so a3 prefills its history again."""
+    (``Pending.passed_over`` reaching the context's slot count, ``n_seq_max`` here) places c first, so a3
+    prefills its history again."""
     a, c = text_tokens(tiny_model, "First conversation here"), text_tokens(tiny_model, "A third, new request")
     turn = text_tokens(tiny_model, " and then", bos=False)
     out_a = alone(tiny_model, a, greedy(6))

@@ -221,6 +221,11 @@ class Pending:
     queued_at: float = field(default_factory=time.monotonic)
     passed_over: int = 0  # requests placed ahead of it, continuing their histories, while it was the queue's head
 
+    def may_be_passed_over(self, slots: int) -> bool:
+        """Whether a request continuing its history may still be placed ahead of it, or a slot held from it: fewer
+        than ``slots`` (the context's slot count) have been, so agents that never pause cannot keep it waiting."""
+        return self.passed_over < slots
+
     def end(self, reason: str, error: KvrtError | None = None) -> None:
         """It never ran: its samplers are freed, every choice ends empty with ``reason``, then the request."""
         for sampler in self.samplers:
@@ -316,7 +321,7 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
     if cache.available_slots() < slots_needed:
         return None
     now = time.monotonic() if now is None else now
-    if hold_s and pending.passed_over < cache.n_slots and _evicts_a_held_slot(cache, src, m, request.agent,
+    if hold_s and pending.may_be_passed_over(cache.n_slots) and _evicts_a_held_slot(cache, src, m, request.agent,
                                                                                slots_needed, since=now - hold_s):
         return None
     released = cache.released_at(src) if src is not None else None

@@ -439,7 +439,7 @@ class Engine:
         self._stops, self._hold_ends_in = {}, None
         with self._lock:
             head = self._queue.head()
-        if head is not None and head.passed_over < self.cache.n_slots:
+        if head is not None and head.may_be_passed_over(self.cache.n_slots):
             self._admit_continuations(head)  # before the head is tried: it may evict what they continue
         while True:
             with self._lock:
