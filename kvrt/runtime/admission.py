@@ -321,8 +321,8 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
     if cache.available_slots() < slots_needed:
         return None
     now = time.monotonic() if now is None else now
-    if hold_s and pending.may_be_passed_over(cache.n_slots) and _evicts_a_held_slot(cache, src, m, request.agent,
-                                                                               slots_needed, since=now - hold_s):
+    if hold_s and pending.may_be_passed_over(cache.n_slots) and _evicts_a_held_slot(
+            cache, src, m, request.agent, slots_needed, since=now - hold_s):
         return None
     released = cache.released_at(src) if src is not None else None
     first, continued = _first_slot(cache, src, m, request.agent)
