@@ -324,7 +324,8 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
     if hold_s and pending.may_be_passed_over(cache.n_slots) and _evicts_a_held_slot(
             cache, src, m, request.agent, slots_needed, since=now - hold_s):
         return None
-    released = cache.released_at(src) if src is not None else None
+    # a conversation's next turn extends all of the history it finds; when that history ended, read before a take-over
+    ended = cache.released_at(src) if src is not None and m == cache.held(src) else None
     first, continued = _first_slot(cache, src, m, request.agent)
     restored = 0
     if src is not None and not continued:
@@ -334,8 +335,10 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
         if cache.restore(first, entry, h):
             m = restored = h
     live = Live(request, pending.stream, first, reused=m, restored=restored, pin=pending.pin, prefilled=m)
-    if continued and not pending.pin and released is not None and pending.queued_at >= released:  # a next turn
-        live.turnaround = pending.queued_at - released
+    if not continued:  # a next turn whose history left its slot: the host copy it extends says when it ended
+        ended = entry.released_at if entry is not None and restored == len(entry.tokens) else None
+    if not pending.pin and ended is not None and pending.queued_at >= ended:
+        live.turnaround = pending.queued_at - ended
     for i, sampler in enumerate(pending.samplers):
         slot = first if i == 0 else cache.claim()
         assert slot is not None  # available_slots() counted them

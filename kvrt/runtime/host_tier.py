@@ -121,13 +121,16 @@ def owner_priority(owner: str | None) -> int:
 class HostEntry:
     """A host copy of one slot's sequence state, holding exactly ``tokens``: the first ``nbytes`` of ``piece``;
     its first ``cold`` positions were computed as a cold prefill computes them (:mod:`kvrt.runtime.prefix_cache`);
-    ``owner``: the agent whose history it is (``None``: anonymous)."""
+    ``owner``: the agent whose history it is (``None``: anonymous); ``released_at``: when that slot's last sequence
+    finished (``time.monotonic``; ``None``: not known), so that a next turn restoring it says how long it took to
+    come back (:mod:`kvrt.runtime.turn_hold`)."""
 
     tokens: tuple[int, ...]
     piece: ArenaPiece
     nbytes: int
     cold: int = 0
     owner: str | None = None
+    released_at: float | None = None
 
     @property
     def state(self) -> np.ndarray:
@@ -176,13 +179,14 @@ class HostTier:
         return entry is not None and entry.cold >= cold and entry.owner == owner
 
     def keep(self, tokens: Sequence[int], nbytes: int, write: Callable[[np.ndarray], int], *, cold: int = 0,
-             owner: str | None = None, make_room: bool = True) -> bool:
+             owner: str | None = None, released_at: float | None = None, make_room: bool = True) -> bool:
         """Keep the state of exactly ``tokens`` (the first ``cold`` computed cold; ``owner``'s history, or
-        anonymous): ``write(view)`` fills ``nbytes`` of host memory and returns the bytes it wrote. An entry that
-        :meth:`holds` it already is marked recently used, nothing copied. Least recently used entries leave
-        until the copy finds room, anonymous ones before agents' (``make_room=False``: none leaves, the copy is
-        made only into free room); False when it is not made (larger than the tier, or no free room).
-        ``write``'s exception propagates, leaving the tier without the copy."""
+        anonymous; its slot released at ``released_at``): ``write(view)`` fills ``nbytes`` of host memory and
+        returns the bytes it wrote. An entry that :meth:`holds` it already is marked recently used, nothing
+        copied. Least recently used entries leave until the copy finds room, anonymous ones before agents'
+        (``make_room=False``: none leaves, the copy is made only into free room); False when it is not made
+        (larger than the tier, or no free room). ``write``'s exception propagates, leaving the tier without the
+        copy."""
         key = tuple(int(t) for t in tokens)
         if self.holds(key, cold=cold, owner=owner):
             self._eviction.touch(key)
@@ -208,7 +212,7 @@ class HostTier:
         except BaseException:
             piece.release()
             raise
-        self._entries.insert(key, HostEntry(key, piece, written, cold, owner))
+        self._entries.insert(key, HostEntry(key, piece, written, cold, owner, released_at))
         self._eviction.add(key, priority=owner_priority(owner))
         self.nbytes += written
         self._kept += 1

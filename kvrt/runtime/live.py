@@ -64,7 +64,7 @@ class Live:
     pin: bool = False
     prefilled: int = 0
     ended: bool = False
-    turnaround: float | None = None  # continuing its slot in place: seconds from that slot's release to its arrival
+    turnaround: float | None = None  # a next turn: seconds from its history's release (in a slot or copy) to arrival
 
     @property
     def prompt(self) -> Sequence[int]:

@@ -435,7 +435,8 @@ class PrefixCache:
         try:
             return self.host.keep(self.tokens(slot), self.ctx.seq_state_size(slot),
                                   lambda view: self.ctx.seq_state_get(slot, view), cold=self._cold[slot],
-                                  owner=self._owner[slot], make_room=make_room)
+                                  owner=self._owner[slot], released_at=self._released_at[slot],
+                                  make_room=make_room)
         except KvrtError as exc:  # e.g. a sliding-window cache that no longer holds the whole prefix
             log.debug("slot %d not copied to the host tier: %s", slot, exc)
             return False

@@ -6,11 +6,13 @@ the engine: a few tens of milliseconds for an agent on a lightly loaded machine;
 thirty agents whose turns ended in the same step, on two cores shared with their clients. A fixed hold
 either lets the late ones lose their histories or makes new requests wait for agents that never return.
 
-:class:`TurnHold` measures instead. Each next turn that continues its history in place is a sample: the
-time from its slot's release to the turn's arrival in the queue. The hold is the configured one, or
-:data:`MARGIN` times the longest of the last ``window`` samples when that is longer, at most
-:data:`CAP_S`. Turns arriving late but within the hold raise it for the turns behind them. Where no agent
-comes back, no sample is taken, and the configured hold stays. A configured hold of 0 turns holds off.
+:class:`TurnHold` measures instead. Each next turn that finds its history, in its slot or as the host
+tier's copy of it, is a sample: the time from its slot's release to the turn's arrival in the queue. The
+hold is the configured one, or :data:`MARGIN` times the longest of the last ``window`` samples when that is
+longer, at most :data:`CAP_S`. Turns arriving late raise it for the turns behind them: those within the hold,
+and those after it whose history the host tier kept, so a hold too short for the traffic learns from the
+turns it failed. A turn whose history was lost altogether is no sample (nothing says whose it was). Where no
+agent comes back, no sample is taken, and the configured hold stays. A configured hold of 0 turns holds off.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class TurnHold:
         self._turnarounds: deque[float] = deque(maxlen=max(1, window))
 
     def observe(self, turnaround_s: float) -> None:
-        """A next turn came ``turnaround_s`` seconds after its slot was released, and found its history there."""
+        """A next turn came ``turnaround_s`` seconds after its slot was released, and found its history."""
         self._turnarounds.append(turnaround_s)
 
     @property
