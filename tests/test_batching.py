@@ -16,6 +16,8 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvrt import Context, GenerationParams, generate
 from kvrt.runtime.admission import WAIT_FOR_SHARE
@@ -226,6 +228,30 @@ def test_requests_arriving_together_prefill_their_shared_preamble_once(tiny_mode
     assert cached[0] == 0 and all(common - WAIT_FOR_SHARE < c <= common for c in cached[1:])
     assert stats.prefilled_tokens == sum(map(len, prompts)) - sum(cached)
     assert [r.choices[0].tokens for r in results] == [alone(tiny_model, p, greedy(4)) for p in prompts]
+
+
+_TOKENS = st.lists(st.integers(0, 2), max_size=3 * WAIT_FOR_SHARE)
+
+
+@st.composite
+def _prompt_and_others(draw):
+    """A prompt and up to four others, each some prefix of it (any length, all of it included) and a tail."""
+    prompt = [1, *draw(st.lists(st.integers(0, 2), min_size=WAIT_FOR_SHARE, max_size=3 * WAIT_FOR_SHARE))]
+    others = draw(st.lists(st.tuples(st.integers(0, len(prompt)), _TOKENS), max_size=4))
+    return prompt, [prompt[:cut] + tail for cut, tail in others]
+
+
+@given(prompts=_prompt_and_others(), cached=st.integers(0, 2 * WAIT_FOR_SHARE))
+def test_the_share_rule_asks_only_whether_the_prefix_worth_waiting_for_is_shared(prompts, cached):
+    """Admission decides whether a request waits for a prompt being prefilled without measuring the longest prefix
+    they share; the answer is the one that measuring every pair (the reference) gives."""
+    from kvrt.runtime.admission import _shares_what_is_coming, _waits_to_share
+
+    prompt, prefilling = prompts
+    arrays = [np.array(p, dtype=np.int64) for p in prefilling]
+    longest = max((common_prefix(np.array(prompt, dtype=np.int64), a) for a in arrays), default=0)
+    assert _shares_what_is_coming(np.array(prompt, dtype=np.int64), cached, arrays) == _waits_to_share(
+        len(prompt), cached, longest)
 
 
 @pytest.mark.parametrize("layout", ["split", "unified"])

@@ -273,15 +273,15 @@ def fits_a_slot(request: Request, cache: PrefixCache) -> bool:
     return prompt + limit <= cache.slot_cells and (not cache.shared or request.cells <= cache.n_cells)
 
 
-def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, coming: int = 0, *,
-          hold_s: float = 0.0, now: float | None = None) -> Live | None:
+def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, prefilling: Sequence[np.ndarray] = (),
+          *, hold_s: float = 0.0, now: float | None = None) -> Live | None:
     """Slots and the cached prefix for ``pending``; ``None`` while they are not free yet.
 
-    ``reserved`` is the cells running requests may still write. ``coming`` is the longest
-    prefix ``pending`` shares with a prompt still being prefilled: when it is at least
-    :data:`WAIT_FOR_SHARE` tokens longer than what is cached now, ``pending`` waits for
-    it (a step or two) and then shares those cells instead of prefilling them again, so
-    many agents starting with one preamble prefill it once. Raises
+    ``reserved`` is the cells running requests may still write. ``prefilling`` is the prompts
+    of running requests still being prefilled: when one shares at least :data:`WAIT_FOR_SHARE`
+    tokens more of ``pending``'s prompt than is cached now, ``pending`` waits for it (a step
+    or two) and then shares those cells instead of prefilling them again, so many agents
+    starting with one preamble prefill it once. Raises
     :class:`RequestTooLarge` when pinned prefixes leave too few slots or cells for good.
 
     An ``exact`` request's shared prefix ends on a multiple of the cache's unit, within what
@@ -295,7 +295,7 @@ def place(cache: PrefixCache, model: Model, pending: Pending, reserved: int, com
     request = pending.stream.request
     prompt = request.prompt
     src, m, entry, h = _reusable(cache, pending)
-    if _waits_to_share(len(prompt), max(m, h), coming):
+    if _shares_what_is_coming(request.prompt_array, max(m, h), prefilling):
         return None
     if entry is not None and h > m:  # a host copy holds more: restore it into a new slot (its cells are new)
         src, m = None, 0
@@ -396,6 +396,21 @@ def _waits_to_share(prompt: int, cached: int, coming: int) -> bool:
     """:func:`place`'s share rule: a request of ``prompt`` tokens, ``cached`` of them reusable now, waits while a
     prompt being prefilled shares ``coming`` tokens with it, at least :data:`WAIT_FOR_SHARE` more."""
     return min(coming, prompt - 1) >= cached + WAIT_FOR_SHARE
+
+
+def _shares_what_is_coming(prompt: np.ndarray, cached: int, prefilling: Sequence[np.ndarray]) -> bool:
+    """:func:`_waits_to_share` for the longest prefix ``prompt`` shares with one of ``prefilling``, found without
+    measuring it: only whether one shares the first ``cached + WAIT_FOR_SHARE`` tokens matters, and their last is
+    compared first, so a prompt that differs there costs no pass over the rest.
+
+    Why: measuring that prefix is a full comparison of every pair of waiting and prefilling prompts, quadratic in
+    the agents admitted in one step, each as long as their shared document."""
+    k = cached + WAIT_FOR_SHARE
+    if k > len(prompt) - 1:
+        return False
+    head = prompt[:k]
+    return any(len(other) >= k and other[k - 1] == head[k - 1] and common_prefix(other[:k], head) == k
+               for other in prefilling)
 
 
 def _continues(cache: PrefixCache, src: int | None, m: int, agent: str | None) -> bool:

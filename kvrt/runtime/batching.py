@@ -66,7 +66,6 @@ from kvrt.engine.micro_batches import count_micro_batches
 from kvrt.engine.model import Model
 from kvrt.engine.sampling import SEEDS, Sampler
 from kvrt.errors import DecodeError, KvrtError
-from kvrt.prefixes import common_prefix
 from kvrt.runtime.admission import (
     EngineConfig,
     Layout,
@@ -465,9 +464,8 @@ class Engine:
                                                          waited_s=time.monotonic() - pending.queued_at):
                 return False
             reserved = sum(live.future_cells() for live in self._live)
-            coming = max((common_prefix(x.request.prompt_array, request.prompt_array)
-                          for x in self._live if x.prefilling), default=0)
-            live = place(self.cache, self.model, pending, reserved, coming, hold_s=self._hold.seconds)
+            prefilling = [x.request.prompt_array for x in self._live if x.prefilling]
+            live = place(self.cache, self.model, pending, reserved, prefilling, hold_s=self._hold.seconds)
         except RequestTooLarge as exc:
             with self._lock:
                 self._queue.take(pending)
