@@ -1,4 +1,5 @@
-"""Helpers the tests of kvrt's servers share: one JSON call over HTTP, a `kvrt serve` process started and waited for."""
+"""Helpers the tests of kvrt's servers share: one JSON call over HTTP, a `kvrt serve` process started and waited for,
+the socket daemon tests' context size."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 
 WAIT_S = 120.0
+N_CTX = 256  # cells of each agent's context in the socket daemon's tests (the ``daemon`` fixture's ledger holds one)
 
 
 def http_call(address: str, method: str, path: str, body: Any = None,

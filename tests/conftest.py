@@ -7,13 +7,13 @@ same kernel tests run on CI (simulated) and on the GPU machine (real).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
-
 from kvrt.system.gpu import nvidia_gpu_count
 
 HAS_GPU = nvidia_gpu_count() > 0
@@ -65,9 +65,9 @@ def tools_model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tools_server(tools_model_path: Path) -> Iterator[dict[str, Any]]:
     """kvrt's OpenAI server in-process on the tools test model (4 slots of 512 cells), as ``{"url", "model"}``;
     the model is served as ``tiny-tools``."""
+    from kvrt.engine.model import Model
     from kvrt.runtime.admission import EngineConfig
     from kvrt.runtime.batching import Engine
-    from kvrt.engine.model import Model
     from kvrt.serve.openai_server import OpenAIServer
 
     model = Model(tools_model_path)
@@ -108,3 +108,35 @@ def demo_model(demo_model_path: Path):
     model = Model(demo_model_path)
     yield model
     model.close()
+
+
+@pytest.fixture()
+def sock_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A private (0700) directory for Unix sockets under ``$TMPDIR``, named by process and thread; emptied and
+    removed afterwards."""
+    directory = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvrt-test-{os.getpid()}-{threading.get_ident() % 10000}"
+    directory.mkdir(mode=0o700, exist_ok=True)
+    yield directory
+    for child in directory.iterdir():
+        child.unlink()
+    directory.rmdir()
+
+
+@pytest.fixture()
+def daemon(sock_dir: Path, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A started socket daemon on ``sock_dir / "kvrt.sock"`` whose ledger holds the tiny model's weights twice and
+    one live context of ``N_CTX`` cells (``tests/_serving.py``); stopped afterwards."""
+    from _serving import N_CTX
+    from kvrt.accounting.estimate import ModelShape, context_estimate
+    from kvrt.accounting.ledger import VramLedger
+    from kvrt.serve.daemon import Daemon
+    from kvrt.serve.scheduler import Scheduler
+    from test_scheduler import charge_estimates
+
+    charge_estimates(monkeypatch)  # the ledger is sized from estimates, so it charges those on a GPU too
+    shape = ModelShape.read(tiny_model_path)
+    ledger = VramLedger(2 * shape.weight_bytes(on_gpu=False) + context_estimate(shape, N_CTX).total_bytes)
+    scheduler = Scheduler(ledger, n_threads=1)
+    server = Daemon(sock_dir / "kvrt.sock", scheduler).start()
+    yield server
+    server.stop()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from kvrt.accounting.estimate import ModelShape
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.context_params import ContextParams

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from _reference import check_greedy
-
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import VramLedger
 from kvrt.engine.model import Model

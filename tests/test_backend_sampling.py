@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_batching import engine, greedy
-
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.context_params import ContextParams
@@ -18,6 +16,7 @@ from kvrt.engine.generation import GenerationParams
 from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import DecodeError, KvrtError
 from kvrt.runtime.requests import Request
+from test_batching import engine, greedy
 
 WAIT_S = 60.0
 

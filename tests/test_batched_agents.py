@@ -9,7 +9,6 @@ from contextlib import contextmanager
 
 import pytest
 from _reference import check_greedy
-
 from kvrt.accounting.ledger import VramLedger
 from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams, generate

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from kvrt_bench import batching
-
 from kvrt.engine.model import Model
 from kvrt.serve.results import DecodeResult, ended_early
+
+from kvrt_bench import batching
 
 
 def test_lost_or_mixed_counts_a_dropped_or_foreign_token(tiny_model_path):
@@ -16,7 +16,8 @@ def test_lost_or_mixed_counts_a_dropped_or_foreign_token(tiny_model_path):
     metrics = ended_early("a", "length", 0.0).metrics
     replies = [DecodeResult("a", "", [5, 6], "length", (), False, metrics) for _ in turns]
     with Model(tiny_model_path) as model:
-        exact = model.tokenize(turns[0], add_special=True) + [5, 6] + model.tokenize(turns[1], add_special=False) + [5, 6]
+        exact = (model.tokenize(turns[0], add_special=True) + [5, 6]
+                 + model.tokenize(turns[1], add_special=False) + [5, 6])
         assert batching._lost_or_mixed(model, turns, replies, exact) == 0
         assert batching._lost_or_mixed(model, turns, replies, exact[:3] + exact[4:]) > 0  # one token lost
         assert batching._lost_or_mixed(model, turns, replies, exact + [7]) == 1  # one foreign token

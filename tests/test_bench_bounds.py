@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 import pytest
+from kvrt.errors import KvrtError
+
 from kvrt_bench._bounds import EXIT_BOUND_VIOLATED, Bound, enforce, ideal_bound, speedup_bound, violations
 from kvrt_bench._stats import check_samples, ratios, summarize
-
-from kvrt.errors import KvrtError
 
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 COMMITTED = sorted(p for p in RESULTS.glob("*-20??-??-??") if p.is_dir())

@@ -6,9 +6,8 @@ import ctypes
 
 import numpy as np
 import pytest
-from kvrt.bindings import ffi, lib
-
 from kvrt import bindings
+from kvrt.bindings import ffi, lib
 from kvrt.errors import LibraryError
 
 
@@ -114,7 +113,8 @@ def test_log_hook_is_installed_before_the_first_library_call_that_may_log() -> N
     announces on first use, is only touched afterwards."""
     out, _ = _stderr_lines("import kvrt; from kvrt.bindings import _log, ffi, lib\n"
                            "cb, data = ffi.new('ggml_log_callback *'), ffi.new('void **')\n"
-                           "lib().llama_log_get(cb, data); print(_log._hook is not None and cb[0] == _log._hook.callback)")
+                           "lib().llama_log_get(cb, data); "
+                           "print(_log._hook is not None and cb[0] == _log._hook.callback)")
     assert out.strip() == "True"
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvrt.engine.chat import ChatMessage, ChatTemplateError, apply_chat_template, chat_template
 from kvrt.engine.model import Model
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from test_scheduler import charge_estimates
-
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.context import Context
@@ -13,6 +11,7 @@ from kvrt.engine.model import Model
 from kvrt.errors import InvalidArgument
 from kvrt.serve.results import ContextFull
 from kvrt.serve.scheduler import Scheduler
+from test_scheduler import charge_estimates
 
 TURN = " the quick brown fox jumps over the lazy dog and"
 

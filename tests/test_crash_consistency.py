@@ -21,15 +21,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_daemon import N_CTX, sock_dir  # noqa: F401  (sock_dir: a fixture)
-from test_daemon_hardening import WAIT_S, one_context_capacity, serving
-
 from kvrt.accounting.ledger import VramLedger
 from kvrt.serve.batched import BatchConfig, BatchedScheduler
 from kvrt.serve.client import Client, DaemonReplyError
 from kvrt.serve.daemon import Daemon
 from kvrt.serve.scheduler import Scheduler
 from kvrt.state.agentstore import AgentStoreError
+from test_daemon import N_CTX
+from test_daemon_hardening import WAIT_S, one_context_capacity, serving
 
 TURNS = [("a", "Hello, my name is"), ("b", "The capital"), ("a", "and then\nwe"), ("b", "of France is"),
          ("a", "so the end"), ("b", "is near")]

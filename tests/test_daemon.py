@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import stat
@@ -12,14 +11,12 @@ import threading
 from pathlib import Path
 
 import pytest
+from _serving import N_CTX
 from hypothesis import given
 from hypothesis import strategies as st
-from test_scheduler import charge_estimates
-
-from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
-from kvrt.runtime.requests import EngineClosed
 from kvrt.errors import InvalidArgument
+from kvrt.runtime.requests import EngineClosed
 from kvrt.serve.client import Client, ConnectionLost, DaemonReplyError
 from kvrt.serve.daemon import Daemon, DaemonError, check_socket_path
 from kvrt.serve.protocol import (
@@ -34,8 +31,6 @@ from kvrt.serve.protocol import (
 )
 from kvrt.serve.results import ContextFull
 from kvrt.serve.scheduler import Scheduler
-
-N_CTX = 256
 
 
 # -- protocol, no sockets -------------------------------------------------------------------
@@ -121,27 +116,6 @@ def test_fields_survive_quotes():
 
 
 # -- a real daemon ------------------------------------------------------------------------------
-@pytest.fixture()
-def sock_dir(tmp_path_factory) -> Path:
-    directory = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvrt-test-{os.getpid()}-{threading.get_ident() % 10000}"
-    directory.mkdir(mode=0o700, exist_ok=True)
-    yield directory
-    for child in directory.iterdir():
-        child.unlink()
-    directory.rmdir()
-
-
-@pytest.fixture()
-def daemon(sock_dir, tiny_model_path, monkeypatch):
-    charge_estimates(monkeypatch)  # the ledger is sized from estimates, so it charges those on a GPU too
-    shape = ModelShape.read(tiny_model_path)
-    ledger = VramLedger(2 * shape.weight_bytes(on_gpu=False) + context_estimate(shape, N_CTX).total_bytes)  # one live context
-    scheduler = Scheduler(ledger, n_threads=1)
-    server = Daemon(sock_dir / "kvrt.sock", scheduler).start()
-    yield server
-    server.stop()
-
-
 def raw_exchange(path: Path, payload: bytes) -> bytes:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.connect(str(path))

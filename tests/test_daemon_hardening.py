@@ -16,8 +16,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_daemon import N_CTX, daemon, held_daemon, queue_behind, raw_exchange, sock_dir  # noqa: F401  (daemon, sock_dir: fixtures)
-
 from kvrt.accounting.estimate import EstimateError, ModelShape, context_estimate
 from kvrt.accounting.ledger import VramLedger
 from kvrt.modelfiles.testmodels import write_model
@@ -25,6 +23,7 @@ from kvrt.serve.client import Client, DaemonReplyError
 from kvrt.serve.daemon import Daemon
 from kvrt.serve.protocol import MAX_LINE, ProtocolError, parse_line
 from kvrt.serve.scheduler import Scheduler
+from test_daemon import N_CTX, held_daemon, queue_behind, raw_exchange
 
 WAIT_S = 30.0  # bound on every wait below, so a regression fails instead of hanging
 
@@ -64,25 +63,25 @@ def read_reply(sock: socket.socket) -> bytes:
 
 # -- 1. SIGTERM while clients connect and disconnect -----------------------------------------------
 def test_sigterm_always_ends_the_daemon_while_clients_come_and_go(sock_dir, tmp_path):
+    def churn(path: Path, stop: threading.Event, done: threading.Semaphore) -> None:
+        """HELP on a new connection to ``path``, again and again until ``stop``; ``done`` counts the answers."""
+        while not stop.is_set():
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.settimeout(WAIT_S)
+                    s.connect(str(path))
+                    s.sendall(b"HELP\n")
+                    read_reply(s)
+            except OSError:
+                return  # the daemon has gone
+            done.release()
+
     for run in range(4):  # the lost signal showed in about half the runs
         path = sock_dir / f"churn{run}.sock"
         with serving(path, tmp_path / "serve.log", "--capacity-bytes", str(1 << 30)) as proc:
             done = threading.Semaphore(0)
             stop = threading.Event()
-
-            def churn() -> None:
-                while not stop.is_set():
-                    try:
-                        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                            s.settimeout(WAIT_S)
-                            s.connect(str(path))
-                            s.sendall(b"HELP\n")
-                            read_reply(s)
-                    except OSError:
-                        return  # the daemon has gone
-                    done.release()
-
-            threads = [threading.Thread(target=churn) for _ in range(4)]
+            threads = [threading.Thread(target=churn, args=(path, stop, done)) for _ in range(4)]
             for t in threads:
                 t.start()
             for _ in range(40):

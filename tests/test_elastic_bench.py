@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from kvrt_bench._elastic_trace import bursty_trace, simulate, trace_models
-
 from kvrt.memory.vmm import HostDriver
+
+from kvrt_bench._elastic_trace import bursty_trace, simulate, trace_models
 
 
 def test_both_arms_serve_the_same_trace_and_elastic_holds_less():

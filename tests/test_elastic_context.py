@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams, generate, prefill
@@ -154,7 +153,8 @@ def test_ledger_counts_the_spare_and_gets_it_back_when_it_is_dropped(tiny_model)
         live = agent.context_bytes(256)
         assert agent.prepare(100) is None and agent.spares == []  # fits the live context: no spare
         assert agent.prepare(1500) == 2048
-        assert ledger.allocated_bytes == agent.charged_bytes == live + agent.context_bytes(2048) == live + agent.spare_bytes
+        assert (ledger.allocated_bytes == agent.charged_bytes == live + agent.context_bytes(2048)
+                == live + agent.spare_bytes)
         assert agent.prepare(700) == 2048  # a larger spare is held: kept
         assert agent.drop_spare() == agent.context_bytes(2048)
         assert ledger.allocated_bytes == agent.charged_bytes == live and agent.spares[0].outcome == "dropped"
@@ -182,11 +182,13 @@ def test_a_refused_spare_changes_nothing_and_growth_falls_back_to_creating(tiny_
     with Context(tiny_model, n_ctx=1024) as fixed:
         expected = generate(fixed, prompt, GREEDY).tokens
     with ElasticContext(tiny_model, max_ctx=4096, min_ctx=256, ledger=ledger, expected_tokens=1500) as agent:
-        assert agent.spare_ctx == 0 and agent.spares == [] and ledger.allocated_bytes == b(256)  # refused at registration
+        # refused at registration
+        assert agent.spare_ctx == 0 and agent.spares == [] and ledger.allocated_bytes == b(256)
         assert agent.prepare(400) == 512
         state = (agent.n_ctx, agent.spare_ctx, ledger.allocated_bytes, len(agent.spares), agent.spares[0].outcome)
         assert agent.prepare(1500) is None  # a 2048 spare does not fit: the 512 one stays
-        assert (agent.n_ctx, agent.spare_ctx, ledger.allocated_bytes, len(agent.spares), agent.spares[0].outcome) == state
+        assert (agent.n_ctx, agent.spare_ctx, ledger.allocated_bytes, len(agent.spares),
+                agent.spares[0].outcome) == state
         # 640 cells: the 512 spare is too small, so it is dropped and 1024 is created on demand
         got = agent.generate(prompt, GREEDY).tokens
         move = agent.resizes[-1]

@@ -12,15 +12,14 @@ from contextlib import AbstractContextManager
 
 import numpy as np
 import pytest
-from test_batching import StepGate
-from test_batching import engine as batching_engine
-
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import KvrtError
 from kvrt.runtime.batching import Engine
 from kvrt.runtime.host_tier import ALIGN, HostTier
 from kvrt.runtime.requests import AgentBusy, Request
+from test_batching import StepGate
+from test_batching import engine as batching_engine
 
 WAIT_S = 60.0
 

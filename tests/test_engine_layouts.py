@@ -13,13 +13,12 @@ import random
 import time
 
 import pytest
-
+from kvrt.errors import KvrtError
 from kvrt.runtime import batching
 from kvrt.runtime.admission import EngineConfig, Layout
 from kvrt.runtime.batching import Engine
 from kvrt.runtime.layout_policy import _roomier
 from kvrt.runtime.requests import EngineError, Request, RequestTooLarge
-from kvrt.errors import KvrtError
 from test_batching import WAIT_S, HoldGate, StepGate, alone, engine, greedy
 
 LAYOUTS = ["split", "unified"]
@@ -54,7 +53,8 @@ def test_follow_up_turns_reuse_their_whole_history_with_every_slot_taken(tiny_mo
         after = eng.stats()
         assert after.kv_layout == layout
         assert_mirror_matches_llama_cpp(eng)
-    kept = [len(h) + len(r) - max(dropped, 1) for h, r in zip(histories, replies)]  # the last reply token: never decoded
+    # the last reply token: never decoded
+    kept = [len(h) + len(r) - max(dropped, 1) for h, r in zip(histories, replies)]
     assert [s.end.cached_tokens for s in seconds] == kept
     assert after.prefilled_tokens - before.prefilled_tokens == sum(len(t) - k for t, k in zip(turns, kept))
     assert [s.choices[0].tokens for s in seconds] == [alone(tiny_model, t, greedy(gen)) for t in turns]

@@ -19,10 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
+from kvrt.engine.generation import GenerationParams
 from kvrt.runtime.admission import EngineConfig
 from kvrt.runtime.batching import Engine
-from kvrt.engine.generation import GenerationParams
 from kvrt.runtime.requests import Request, RequestResult, TokenEvent, token_logprobs
 
 PROMPT_TOKENS = 450  # within a default slot's 512 cells, past the demo model's 256-token prefill unit
@@ -105,9 +104,9 @@ def test_a_cold_engine_equals_llama_cpp_python_from_scratch(demo_model_path: Pat
     """The reference evaluates the prompt in the engine's prefill steps (``n_batch`` = the prefill unit)."""
     import llama_cpp
     import numpy as np
-    from kvrt_bench._peer import greedy_reference
-
     from kvrt.system.cpu import llama_cpp_llama
+
+    from kvrt_bench._peer import greedy_reference
 
     llm = llama_cpp_llama(demo_model_path, n_ctx=1024, n_batch=UNIT, n_ubatch=UNIT, n_threads=2, n_threads_batch=2,
                           flash_attn=flash_attn == "on", verbose=False)

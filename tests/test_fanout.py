@@ -8,7 +8,6 @@ import json
 import numpy as np
 import pytest
 from _reference import KERNEL_NOISE
-
 from kvrt.branching.branches import Branch, FanoutError, branch_budget, fanout, shared_params
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
@@ -273,7 +272,8 @@ def test_budget_and_argument_errors_name_the_numbers(tiny_model):
 def test_demo_model_shared_exact_matches_isolated(demo_model):
     """Gemma 3 (iSWA cache, Q4_K_M): prefix sharing by seq_cp gives the same greedy text as restoring."""
     text = "Licensing terms: you may use, copy and modify the software, but you must keep this notice. " * 4
-    branches = [Branch(" Summary:", GenerationParams(max_tokens=6)), Branch(" Obligations:", GenerationParams(max_tokens=6))]
+    branches = [Branch(" Summary:", GenerationParams(max_tokens=6)),
+                Branch(" Obligations:", GenerationParams(max_tokens=6))]
     isolated = fanout(demo_model, text, branches, mode="isolated")
     shared = fanout(demo_model, text, branches, mode="shared", exact=True)
     assert [b.completion.tokens for b in shared.branches] == [b.completion.tokens for b in isolated.branches]
@@ -282,9 +282,10 @@ def test_demo_model_shared_exact_matches_isolated(demo_model):
 def test_bench_fanout_writes_the_seed_artifacts(tiny_model_path, tmp_path, capsys):
     from kvrt.cli import main
 
+    # --bound-tolerance 1000: tiny-model timings on a shared CPU are noise; bounds are checked on real runs
     code = main(["bench", "fanout", "--model", str(tiny_model_path), "--out", str(tmp_path), "--doc-tokens", "200",
                  "--trials", "3", "--max-tokens", "3", "--sweep-n", "1,3", "--sweep-docs", "64,200",
-                 "--bound-tolerance", "1000"])  # tiny-model timings on a shared CPU are noise: bounds are checked on real runs
+                 "--bound-tolerance", "1000"])
     assert code == 0
     out = tmp_path / "fanout"
     for name in ("samples.csv", "summary.csv", "fanout.json", "bounds.json"):
@@ -339,9 +340,9 @@ def test_demo_model_restored_branch_follows_a_recompute_token_for_token(demo_mod
 
 
 def test_exposed_fork_is_all_of_it_after_the_prefill_and_the_prefill_growth_during_it():
-    from kvrt_bench.fanout import _exposed_fork
-
     from kvrt.branching.branches import FanoutResult
+
+    from kvrt_bench.fanout import _exposed_fork
 
     def run(fork_ms: float, prefill_ms: float, overlapped: bool) -> FanoutResult:
         return FanoutResult("shared", "", False, 100, prefill_ms, fork_ms, [], 0.0, fork_overlapped=overlapped)

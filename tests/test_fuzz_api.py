@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from kvrt.accounting.ledger import VramLedger
 from kvrt.branching.branches import Branch, fanout
 from kvrt.engine.context import Context
@@ -60,7 +59,7 @@ def some_fields_wrong(fields: list[str]):
        stop=st.lists(st.one_of(st.text(max_size=3), JUNK), max_size=2))
 def test_generation_params(kwargs, stop):
     for attempt in (kwargs, {**kwargs, "stop": stop}):
-        params = result_or_kvrt_error(lambda: GenerationParams(**attempt))
+        params = result_or_kvrt_error(lambda attempt=attempt: GenerationParams(**attempt))
         if params is not None:
             assert type(params.max_tokens) is int and params.max_tokens >= 1
             assert isinstance(params.stop, tuple) and all(isinstance(s, str) and s for s in params.stop)

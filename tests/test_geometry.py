@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvrt.accounting.estimate import ModelShape
 from kvrt.engine.geometry import ModelGeometry
 from kvrt.errors import InvalidArgument

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvrt.bindings import lib
-
 from kvrt import Context, Model
+from kvrt.bindings import lib
 from kvrt.engine.generation import prefill
 from kvrt.system.gpu import llama_devices
 

@@ -7,9 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_daemon import N_CTX
-from test_hostile_state import service
-
 from kvrt.engine.context import Context
 from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import GenerationParams, generate
@@ -17,6 +14,8 @@ from kvrt.engine.model import Model
 from kvrt.errors import KvrtError
 from kvrt.serve.results import AgentExists, SchedulerClosed, UnknownAgent
 from kvrt.state.snapshot import Snapshot, SnapshotMismatch
+from test_daemon import N_CTX
+from test_hostile_state import service
 
 TURNS = ("once upon a time", "the end")
 

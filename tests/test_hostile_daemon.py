@@ -13,13 +13,12 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
-from test_daemon import N_CTX, raw_exchange, sock_dir  # noqa: F401  (sock_dir: a fixture)
-from test_daemon_hardening import WAIT_S
-from test_hostile_state import service
-
 from kvrt.serve.client import Client
 from kvrt.serve.daemon import Daemon
 from kvrt.serve.protocol import MAX_LINE
+from test_daemon import N_CTX, raw_exchange
+from test_daemon_hardening import WAIT_S
+from test_hostile_state import service
 
 TURNS = ("a long time ago", "and then")
 CONNECTIONS = 48

@@ -20,10 +20,10 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra (pip install fastapi uvicorn openai) is not installed")
 
 from kvrt import Context, GenerationParams, generate  # noqa: E402
-from kvrt.runtime.admission import EngineConfig  # noqa: E402
-from kvrt.runtime.batching import Engine  # noqa: E402
 from kvrt.engine.model import Model  # noqa: E402
 from kvrt.engine.sampling import SamplingParams  # noqa: E402
+from kvrt.runtime.admission import EngineConfig  # noqa: E402
+from kvrt.runtime.batching import Engine  # noqa: E402
 from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
 
 WAIT_S = 60.0
@@ -156,7 +156,8 @@ def test_types_are_strict(served, tiny_model, field, value):
 
 def test_strict_chat_types(served):
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
-    for field, value in [("logprobs", "true"), ("max_completion_tokens", True), ("stream_options", {"include_usage": 1})]:
+    for field, value in [("logprobs", "true"), ("max_completion_tokens", True),
+                         ("stream_options", {"include_usage": 1})]:
         error = refused(served, "/v1/chat/completions", {**chat, field: value})
         assert error["param"].split(".")[0] == field, error
 

@@ -12,12 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_daemon import N_CTX
-
 from kvrt.accounting.ledger import VramLedger
 from kvrt.serve.batched import BatchConfig, BatchedScheduler
 from kvrt.serve.scheduler import Scheduler
 from kvrt.state.agentstore import MANIFEST_SUFFIX, AgentStore, AgentStoreError, _digest
+from test_daemon import N_CTX
 
 AGENTS = ("a", "b", "c")
 PROBE = " and what next"

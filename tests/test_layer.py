@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvrt.stream.layer import (
     ALIGN,
     ArrayOps,

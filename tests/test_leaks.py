@@ -15,7 +15,6 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from kvrt.engine.context import Context
 from kvrt.engine.generation import prefill
 from kvrt.engine.model import Model

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
-
 from kvrt.accounting.ledger import DeviceMemory, LedgerDenied, LedgerError, Reservation, VramLedger, validate_size
 from kvrt.serve.protocol import error_reply
 
@@ -119,10 +118,10 @@ class LedgerMachine(RuleBasedStateMachine):
         foreign = self.other.try_reserve(nbytes, "stranger")
         forged = Reservation(foreign.id, "stranger", nbytes)
         receipts = ((foreign, "another ledger"), (forged, "built by hand"), (nbytes, "expected a Reservation"))
-        for receipt, why in receipts:
-            self.refused(lambda: self.ledger.release(receipt), match=why)  # type: ignore[arg-type]
-            self.refused(lambda: self.ledger.resize(receipt, 0), match=why)  # type: ignore[arg-type]
-            self.refused(lambda: self.ledger.transfer(receipt, "x"), match=why)  # type: ignore[arg-type]
+        for receipt, why in receipts:  # refused() calls each lambda at once, in this iteration
+            self.refused(lambda r=receipt: self.ledger.release(r), match=why)  # type: ignore[arg-type]
+            self.refused(lambda r=receipt: self.ledger.resize(r, 0), match=why)  # type: ignore[arg-type]
+            self.refused(lambda r=receipt: self.ledger.transfer(r, "x"), match=why)  # type: ignore[arg-type]
         self.other.release(foreign)
 
     @property

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from kvrt.engine.sampling import Sampler, SamplingParams
 from kvrt.errors import InvalidArgument, KvrtError
 

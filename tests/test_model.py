@@ -6,7 +6,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from kvrt import Context, Model
 from kvrt.errors import ClosedError, KvrtError, ModelLoadError
 from kvrt.modelfiles.testmodels import PRESETS
@@ -80,7 +79,7 @@ def test_closing_a_model_closes_its_contexts_first(tiny_model_path: Path) -> Non
     model.close()
     assert ctx.closed
     with pytest.raises(ClosedError):
-        ctx.n_ctx
+        _ = ctx.n_ctx
 
 
 def test_out_of_vocabulary_token_is_refused(tiny_model: Model) -> None:

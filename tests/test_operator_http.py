@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import os
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -23,12 +23,11 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra (pip install fastapi uvicorn openai) is not installed")
 
 from fastapi.testclient import TestClient  # noqa: E402
-
 from kvrt.cli import build_parser  # noqa: E402
 from kvrt.commands import serve  # noqa: E402
+from kvrt.errors import KvrtError  # noqa: E402
 from kvrt.runtime.admission import EngineConfig  # noqa: E402
 from kvrt.runtime.batching import Engine  # noqa: E402
-from kvrt.errors import KvrtError  # noqa: E402
 from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
 
 WAIT_S = 60.0

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from test_batching import StepGate, engine
-
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.sampling import SamplingParams
 from kvrt.runtime.requests import Request
+from test_batching import StepGate, engine
 
 WAIT_S = 60.0
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import threading
 
-import pytest
-
 import kvrt.branching.pipeline
+import pytest
 from kvrt.branching.pipeline import BudgetError, CycleError, DependencyFailed, NodeFailed, Pipeline, PipelineError
 from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams, generate, prefill

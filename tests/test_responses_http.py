@@ -18,9 +18,9 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serve extra (pip install fastapi uvicorn openai) is not installed")
 jsonschema = pytest.importorskip("jsonschema")
 
+from kvrt.engine.chat import apply_chat_template  # noqa: E402
 from kvrt.runtime.admission import EngineConfig  # noqa: E402
 from kvrt.runtime.batching import Engine  # noqa: E402
-from kvrt.engine.chat import apply_chat_template  # noqa: E402
 from kvrt.serve.openai_server import OpenAIServer  # noqa: E402
 from test_tools_http import ASK, WAIT_S, WEATHER_ARGS  # noqa: E402  (tests/ is on sys.path)
 
@@ -145,7 +145,8 @@ def test_instructions_belong_to_their_own_request(client, tools_server, caplog):
     assert second.usage.input_tokens == len(model.tokenize(apply_chat_template(model, history), parse_special=True))
 
 
-VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+VERDICT = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+           "additionalProperties": False}
 
 
 @pytest.mark.parametrize("forced", [False, True])

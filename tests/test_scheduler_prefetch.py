@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 from _reference import check_greedy
-from test_scheduler import N_CTX, budget, charge_estimates, hold_worker, never_left
-
 from kvrt.accounting import estimate
 from kvrt.accounting.estimate import DeviceMeter, ModelShape, context_estimate
 from kvrt.accounting.ledger import VramLedger
@@ -28,6 +26,7 @@ from kvrt.serve.results import SchedulerClosed, UnknownAgent
 from kvrt.serve.scheduler import Scheduler
 from kvrt.state.snapshot import Snapshot
 from kvrt.system.gpu import Device
+from test_scheduler import N_CTX, budget, charge_estimates, hold_worker, never_left
 
 AGENTS = {"a": [" The fox", " jumps over", " the dog"], "b": [" Once upon", " a time", " there was"],
           "c": [" In the", " beginning", " of it all"]}
@@ -69,8 +68,8 @@ def assert_freed_and_exact(ledger: VramLedger, got: dict[str, list[list[int]]], 
         assert got[name] == never_left(path, prompts, N)
 
 
-def run_rounds(path: Path, prefetch: bool, *, measure: bool = True) -> tuple[dict[str, list[list[int]]],
-                                                                            dict[str, list[int]], Scheduler, VramLedger]:
+def run_rounds(path: Path, prefetch: bool, *, measure: bool = True
+               ) -> tuple[dict[str, list[list[int]]], dict[str, list[int]], Scheduler, VramLedger]:
     """Three agents of one model, a ledger for two live contexts, every round queued at once: most turns swap
     an agent in. ``measure``: the registry's (and so the scheduler's) choice of measured charges on a GPU."""
     ledger = VramLedger(budget(path, 1, 2))

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-
 from kvrt.engine.context import Context
 from kvrt.engine.generation import prefill
 from kvrt.engine.model import Model
@@ -234,7 +233,7 @@ def test_host_pool_reuses_buffers_and_aligns_them():
     first.release()
     first.release()  # idempotent
     with pytest.raises(HostPoolError, match="released"):
-        first.view
+        _ = first.view
     second = pool.acquire(9_000)  # same size class
     assert second.view.ctypes.data == address
     assert (pool.stats.allocations, pool.stats.reuses) == (1, 1)

@@ -7,13 +7,12 @@ chosen from the unstopped output itself, so it certainly occurs; no piece may sh
 from __future__ import annotations
 
 import pytest
-from test_scheduler import charge_estimates
-
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import VramLedger
 from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams, generate, held_back
 from kvrt.serve.scheduler import Scheduler
+from test_scheduler import charge_estimates
 
 PROMPT = "The quick brown fox"
 N_TOKENS = 24

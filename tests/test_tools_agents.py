@@ -53,9 +53,10 @@ def weather_agent(base_url: str, model_name: str, api: str = "chat") -> tuple[ag
     client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=WAIT_S)
     kind = agents.OpenAIChatCompletionsModel if api == "chat" else agents.OpenAIResponsesModel
     model = kind(model=model_name, openai_client=client)
+    model_settings = agents.ModelSettings(tool_choice="required", temperature=0, parallel_tool_calls=False,
+                                          max_tokens=200)
     agent = agents.Agent(name="forecaster", instructions="Answer with the forecast.", tools=[get_weather],
-                         output_type=Forecast, model=model, model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
-                                                                          parallel_tool_calls=False, max_tokens=200))
+                         output_type=Forecast, model=model, model_settings=model_settings)
     return agent, calls
 
 

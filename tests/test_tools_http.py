@@ -32,7 +32,8 @@ WEATHER_ARGS = {"type": "object", "properties": {"city": {"type": "string", "enu
                 "required": ["city", "days"], "additionalProperties": False}
 TIME_ARGS = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 6}}, "required": ["zone"],
              "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": WEATHER_ARGS}},
+TOOLS = [{"type": "function",
+          "function": {"name": "get_weather", "description": "the weather", "parameters": WEATHER_ARGS}},
          {"type": "function", "function": {"name": "get_time", "parameters": TIME_ARGS}}]
 SCHEMAS = {"get_weather": WEATHER_ARGS, "get_time": TIME_ARGS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -55,7 +56,8 @@ def rendered_tokens(model, messages: list[dict[str, Any]], tools: list[dict[str,
     for m in messages:
         turn = {**m, "content": m.get("content") or ""}
         if m.get("tool_calls"):
-            turn["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+            turn["tool_calls"] = [{**c, "function": {**c["function"],
+                                                     "arguments": json.loads(c["function"]["arguments"])}}
                                   for c in m["tool_calls"]]
         turns.append(turn)
     text = env.from_string(TEMPLATE).render(messages=turns, tools=tools, add_generation_prompt=True)
@@ -113,7 +115,8 @@ def test_parallel_calls_are_each_parsed(client):
         response = chat(client, tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed, max_tokens=400)
         assert response.choices[0].finish_reason == "tool_calls"
         assert_valid(response.choices[0].message.tool_calls, {"get_weather", "get_time"})
-        assert len({c.id for c in response.choices[0].message.tool_calls}) == len(response.choices[0].message.tool_calls)
+        calls = response.choices[0].message.tool_calls
+        assert len({c.id for c in calls}) == len(calls)
 
 
 def test_streamed_call_deltas_add_up_to_the_unstreamed_answer(client):
