@@ -5,6 +5,7 @@ callback it builds; neither needs the other to get it.
 """
 
 import cffi
+
 from kvrt.bindings._cdef import CDEF, GGML_CDEF
 
 ffi = cffi.FFI()

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.generation import prefill

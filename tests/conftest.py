@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
+
 from kvrt.system.gpu import nvidia_gpu_count
 
 HAS_GPU = nvidia_gpu_count() > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kvrt.accounting.estimate import ModelShape
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.context_params import ContextParams

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
 from _reference import check_greedy
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import VramLedger

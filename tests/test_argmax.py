@@ -3,6 +3,7 @@ count set."""
 
 import numpy as np
 import pytest
+
 from kvrt.engine.argmax import DEFAULT_THREADS, PARALLEL_MIN_VALUES, argmax_rows, set_threads
 from kvrt.errors import InvalidArgument
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.context_params import ContextParams

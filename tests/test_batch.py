@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvrt.bindings import ffi, lib
 from kvrt.engine.batch import Batch
 from kvrt.errors import ClosedError, KvrtError

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+
 from _reference import check_greedy
 from kvrt.accounting.ledger import VramLedger
 from kvrt.engine.context import Context

@@ -20,11 +20,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvrt import Context, GenerationParams, generate
-from kvrt.runtime.admission import WAIT_FOR_SHARE
-from kvrt.runtime.admission import EngineConfig
-from kvrt.runtime import batching
-from kvrt.runtime.batching import Engine
+from kvrt.engine.sampling import SamplingParams
+from kvrt.errors import LlamaError
 from kvrt.prefixes import common_prefix
+from kvrt.runtime import batching
+from kvrt.runtime.admission import WAIT_FOR_SHARE, EngineConfig
+from kvrt.runtime.batching import Engine
 from kvrt.runtime.requests import (
     ChoiceEnd,
     EngineError,
@@ -35,8 +36,6 @@ from kvrt.runtime.requests import (
     TokenEvent,
 )
 from kvrt.runtime.step_trace import StepTrace, read_trace
-from kvrt.engine.sampling import SamplingParams
-from kvrt.errors import LlamaError
 
 WAIT_S = 60.0  # bound on any single wait for an event (a hang fails instead of blocking the run)
 
@@ -788,7 +787,7 @@ def test_an_idle_engine_copies_cached_slots_to_the_host_tier_before_they_are_evi
         for done, prompt in enumerate(prompts, 1):
             answers.append(eng.submit(Request(prompt, greedy(8))).result(WAIT_S).choices[0].tokens)
             if write_behind:  # every cached slot copied, none twice
-                wait_for(lambda: eng.stats().host_kept == done, f"{done} slots copied while idle")
+                wait_for(lambda done=done: eng.stats().host_kept == done, f"{done} slots copied while idle")
             elif done == 2:  # nothing evicted yet (two conversations fit the 256 cells): nothing copied
                 assert eng.stats().host_kept == 0
         assert eng.cache.longest_prefix(prompts[0])[1] < len(prompts[0])  # the first left the context

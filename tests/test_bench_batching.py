@@ -7,7 +7,6 @@ import json
 
 from kvrt.engine.model import Model
 from kvrt.serve.results import DecodeResult, ended_early
-
 from kvrt_bench import batching
 
 

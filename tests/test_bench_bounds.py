@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-from kvrt.errors import KvrtError
 
+from kvrt.errors import KvrtError
 from kvrt_bench._bounds import EXIT_BOUND_VIOLATED, Bound, enforce, ideal_bound, speedup_bound, violations
 from kvrt_bench._stats import check_samples, ratios, summarize
 

@@ -51,7 +51,6 @@ def test_swap_round_trip_is_exact_and_the_peer_picks_kvrts_next_token(tiny_model
     from kvrt.engine.context_params import ContextParams
     from kvrt.engine.generation import prefill
     from kvrt.state.hostpool import HostPool
-
     from kvrt_bench import _swap
     from kvrt_bench._peer import LlamaPeer
 
@@ -72,7 +71,6 @@ def test_swap_round_trip_is_exact_and_the_peer_picks_kvrts_next_token(tiny_model
 def test_multimodel_arms_serve_the_same_trace_with_the_same_tokens(tiny_model_path, other_tiny_model_path):
     from kvrt.accounting.ledger import VramLedger
     from kvrt.engine.model import Model
-
     from kvrt_bench.multimodel import ElasticArm, StaticArm, bursty_trace, replay
 
     trace = bursty_trace([512, 512], 1.0, 0.2, 0.05, 128, seed=1)

@@ -16,7 +16,6 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
 
 from kvrt.system.cpu import EXTRA_BUFTS_ENV, safe_extra_bufts  # noqa: E402
-
 from kvrt_bench import peer  # noqa: E402
 from kvrt_bench._peer_client import TurnResult, token_agreement, turn_metrics  # noqa: E402
 from kvrt_bench._peer_servers import (  # noqa: E402

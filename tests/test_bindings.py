@@ -6,6 +6,7 @@ import ctypes
 
 import numpy as np
 import pytest
+
 from kvrt import bindings
 from kvrt.bindings import ffi, lib
 from kvrt.errors import LibraryError

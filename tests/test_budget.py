@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvrt.accounting.budget import HOST_RAM_SHARE_PERCENT, choose_budget, host_ram_bytes
 
 

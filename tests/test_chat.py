@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvrt.engine.chat import ChatMessage, ChatTemplateError, apply_chat_template, chat_template
 from kvrt.engine.model import Model
 

@@ -17,12 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from _serving import turn_body
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")
 pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'kvrt[cluster]')")
 
 import ray  # noqa: E402
+from ray import serve  # noqa: E402
+from ray.serve import Application  # noqa: E402
+
 from kvrt.accounting.ledger import VramLedger  # noqa: E402
 from kvrt.cluster.affinity import ranked, route_of  # noqa: E402
 from kvrt.cluster.app import build, from_args  # noqa: E402
@@ -32,8 +36,6 @@ from kvrt.runtime.admission import EngineConfig  # noqa: E402
 from kvrt.serve.http_agents import HEADER  # noqa: E402
 from kvrt.serve.http_front import HttpFront, HttpOptions, start_front  # noqa: E402
 from kvrt.serve.registry import ModelRegistry  # noqa: E402
-from ray import serve  # noqa: E402
-from ray.serve import Application  # noqa: E402
 
 WAIT_S = 120.0
 TURN_TOKENS = 6

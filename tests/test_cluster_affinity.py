@@ -10,6 +10,7 @@ from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvrt.cluster.affinity import ANYWHERE, Route, ranked, route_of
 from kvrt.serve.http_agents import HEADER
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kvrt import Batch, Context, Model, Sampler
 from kvrt.engine.generation import GenerationParams, generate, prefill
 from kvrt.errors import ClosedError, ContextError, DecodeError, KvrtError, StateError

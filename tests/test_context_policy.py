@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.context import Context

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvrt.system import cpu
 from kvrt.system.cpu import CpuInfo, ProbeOutcome, decide_extra_bufts, run_probe
 from kvrt.system.gpu import llama_gpu_devices

@@ -11,9 +11,10 @@ import threading
 from pathlib import Path
 
 import pytest
-from _serving import N_CTX
 from hypothesis import given
 from hypothesis import strategies as st
+
+from _serving import N_CTX
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.errors import InvalidArgument
 from kvrt.runtime.requests import EngineClosed

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from kvrt.accounting.estimate import EstimateError, ModelShape, context_estimate
 from kvrt.accounting.ledger import VramLedger
 from kvrt.modelfiles.testmodels import write_model

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _serving import http_call
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from _serving import http_call
 from kvrt.accounting.devices import DeviceLedgers, DevicesDenied
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import VramLedger

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
+
 from kvrt.accounting.ledger import VramLedger
 from kvrt.memory.elastic import ElasticError, ElasticPool, ElasticRefusal
 from kvrt.memory.vmm import HostDriver
@@ -307,6 +308,7 @@ TestPoolMachine = PoolMachine.TestCase
 @pytest.mark.gpu
 def test_cuda_pool_grows_shrinks_and_views_as_cupy():
     import cupy
+
     from kvrt.memory.vmm import CudaDriver
 
     driver = CudaDriver()

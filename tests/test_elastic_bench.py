@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from kvrt.memory.vmm import HostDriver
-
 from kvrt_bench._elastic_trace import bursty_trace, simulate, trace_models
 
 

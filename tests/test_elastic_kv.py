@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+
 from kvrt.memory.elastic import ElasticError, ElasticPool
 from kvrt.memory.elastic_kv import ElasticKV, KVLayout
 from kvrt.memory.vmm import HostDriver

@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager
 
 import numpy as np
 import pytest
+
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.sampling import SamplingParams
 from kvrt.errors import KvrtError

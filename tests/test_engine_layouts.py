@@ -13,6 +13,7 @@ import random
 import time
 
 import pytest
+
 from kvrt.errors import KvrtError
 from kvrt.runtime import batching
 from kvrt.runtime.admission import EngineConfig, Layout

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from kvrt.engine.generation import GenerationParams
 from kvrt.runtime.admission import EngineConfig
 from kvrt.runtime.batching import Engine
@@ -104,8 +105,8 @@ def test_a_cold_engine_equals_llama_cpp_python_from_scratch(demo_model_path: Pat
     """The reference evaluates the prompt in the engine's prefill steps (``n_batch`` = the prefill unit)."""
     import llama_cpp
     import numpy as np
-    from kvrt.system.cpu import llama_cpp_llama
 
+    from kvrt.system.cpu import llama_cpp_llama
     from kvrt_bench._peer import greedy_reference
 
     llm = llama_cpp_llama(demo_model_path, n_ctx=1024, n_batch=UNIT, n_ubatch=UNIT, n_threads=2, n_threads_batch=2,

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+
 from _reference import KERNEL_NOISE
 from kvrt.branching.branches import Branch, FanoutError, branch_budget, fanout, shared_params
 from kvrt.engine.batch import Batch
@@ -341,7 +342,6 @@ def test_demo_model_restored_branch_follows_a_recompute_token_for_token(demo_mod
 
 def test_exposed_fork_is_all_of_it_after_the_prefill_and_the_prefill_growth_during_it():
     from kvrt.branching.branches import FanoutResult
-
     from kvrt_bench.fanout import _exposed_fork
 
     def run(fork_ms: float, prefill_ms: float, overlapped: bool) -> FanoutResult:

@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+
 from kvrt.branching.branches import Branch, fanout, isolated_params
 from kvrt.branching.pipeline import Pipeline
 from kvrt.branching.runner import run_isolated
@@ -41,7 +42,6 @@ from kvrt.engine.model import Model
 from kvrt.state.contextpool import ContextPool
 from kvrt.state.snapshot import Snapshot
 from kvrt.system.cpu import EXTRA_BUFTS_ENV, llama_cpp_llama, safe_extra_bufts
-
 from kvrt_bench._peer import GreedyReference, greedy_reference
 
 KERNEL_SET_ENV = "KVRT_TEST_KERNEL_SET"  # set in a kernel set's child run

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from kvrt.accounting.ledger import VramLedger
 from kvrt.engine.file_digest import CACHE_NAME, hash_file, whole_file_digest
 from kvrt.engine.model import Model

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvrt.accounting.ledger import VramLedger
 from kvrt.branching.branches import Branch, fanout
 from kvrt.engine.context import Context

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
+
 from kvrt.serve.protocol import (
     MAX_CTX,
     MAX_LINE,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvrt.accounting.estimate import ModelShape
 from kvrt.engine.geometry import ModelGeometry
 from kvrt.errors import InvalidArgument

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kvrt import Context, Model
 from kvrt.bindings import lib
 from kvrt.engine.generation import prefill

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvrt.runtime.host_tier import ALIGN, HostArena, HostTier, numpy_memory, piece_size
+
 from kvrt.errors import KvrtError
+from kvrt.runtime.host_tier import ALIGN, HostArena, HostTier, numpy_memory, piece_size
 
 
 def filler(value: int, nbytes: int):

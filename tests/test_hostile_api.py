@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kvrt.engine.context import Context
 from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import GenerationParams, generate

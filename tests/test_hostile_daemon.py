@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pytest
+
 from kvrt.serve.client import Client
 from kvrt.serve.daemon import Daemon
 from kvrt.serve.protocol import MAX_LINE

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from kvrt.accounting.ledger import VramLedger
 from kvrt.serve.batched import BatchConfig, BatchedScheduler
 from kvrt.serve.scheduler import Scheduler

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from _serving import turn_body
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
+
 from kvrt.bindings import lib
 from kvrt.engine.sampling import _Grammar
 from kvrt.serve.api_error import ApiError

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvrt.kernels import layer as kl
 
 SMALL = settings(max_examples=6, deadline=None)
@@ -93,8 +94,9 @@ def test_shape_mismatches_are_refused_before_launch(call) -> None:
 
 def test_importing_the_kernels_leaves_numpy_as_it_was(monkeypatch):
     """The numba-cuda bridge for NumPy 2.5 (no ``row_stack``) must not leave the alias behind."""
-    import kvrt.kernels
     import numpy
+
+    import kvrt.kernels
 
     monkeypatch.delattr(numpy, "row_stack", raising=False)  # as on NumPy >= 2.5
     kvrt.kernels._import_numba_cuda_arrayobj()

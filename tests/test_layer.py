@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvrt.stream.layer import (
     ALIGN,
     ArrayOps,

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from kvrt.engine.context import Context
 from kvrt.engine.generation import prefill
 from kvrt.engine.model import Model

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
 from kvrt.accounting.ledger import DeviceMemory, LedgerDenied, LedgerError, Reservation, VramLedger, validate_size
 from kvrt.serve.protocol import error_reply
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from kvrt.engine.context import Context
 from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import GenerationParams, generate, prefill

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from kvrt.engine.sampling import Sampler, SamplingParams
 from kvrt.errors import InvalidArgument, KvrtError
 

@@ -6,6 +6,7 @@ import math
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvrt.engine.micro_batches import count_micro_batches, read_bytes, split_per_stream
 
 

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+
 from kvrt import Context, Model
 from kvrt.errors import ClosedError, KvrtError, ModelLoadError
 from kvrt.modelfiles.testmodels import PRESETS

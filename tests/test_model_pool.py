@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from _serving import http_call
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed")

@@ -114,8 +114,9 @@ def test_json_schema_output_parses_and_validates(client, served):
 def test_json_object_uses_the_generic_object_grammar(client, served):
     """The demo model rambles inside an open object past any small max_tokens, so only the grammar
     (a JSON object of anything) and the output's start are checked."""
-    from kvrt.serve.openai_schema import ResponseFormat, grammar_of
     from llama_cpp.llama_grammar import json_schema_to_gbnf
+
+    from kvrt.serve.openai_schema import ResponseFormat, grammar_of
 
     assert grammar_of(ResponseFormat(type="json_object")) == json_schema_to_gbnf('{"type": "object"}')
     response = client.chat.completions.create(

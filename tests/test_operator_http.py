@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra (pip install fastapi uvicorn openai) is not installed")
 
 from fastapi.testclient import TestClient  # noqa: E402
+
 from kvrt.cli import build_parser  # noqa: E402
 from kvrt.commands import serve  # noqa: E402
 from kvrt.errors import KvrtError  # noqa: E402

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from kvrt.checks import check_int, check_real, check_text, check_tokens
 from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams, generate

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 
-import kvrt.branching.pipeline
 import pytest
+
+import kvrt.branching.pipeline
 from kvrt.branching.pipeline import BudgetError, CycleError, DependencyFailed, NodeFailed, Pipeline, PipelineError
 from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams, generate, prefill

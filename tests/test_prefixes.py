@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvrt.errors import KvrtError
 from kvrt.prefixes import Eviction, PrefixTree
 

@@ -7,6 +7,7 @@ once), and the step-time model written out by hand for one-micro-batch steps.
 from __future__ import annotations
 
 import pytest
+
 from repo_tools import load_tool
 
 

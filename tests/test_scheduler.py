@@ -6,6 +6,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from kvrt.accounting.estimate import DeviceMeter, EstimateError, ModelShape, context_estimate, parse_vram_table
 from kvrt.accounting.ledger import LedgerDenied, VramLedger
 from kvrt.engine.context import Context

@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from _reference import check_greedy
 from kvrt.accounting import estimate
 from kvrt.accounting.estimate import DeviceMeter, ModelShape, context_estimate

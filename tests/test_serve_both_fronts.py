@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from _serving import http_call, serving
 from kvrt.serve.client import Client
 

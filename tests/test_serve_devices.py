@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from _serving import http_call, serving
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.modelfiles.testmodels import write_model

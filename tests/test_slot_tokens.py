@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvrt.runtime.slot_tokens import SlotTokens
 from test_prefixes import shared  # the element-by-element count
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvrt.engine.context import Context
 from kvrt.engine.generation import prefill
 from kvrt.engine.model import Model

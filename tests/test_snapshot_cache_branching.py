@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+
 from kvrt.branching.branches import Branch, FanoutError, FanoutResult, fanout
 from kvrt.branching.pipeline import Pipeline, PipelineError
 from kvrt.engine.context import Context

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+
 from kvrt.accounting.ledger import VramLedger
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context

@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from kvrt.engine.decode_step import Feed, takes
 from kvrt.engine.micro_batches import read_bytes, split_per_stream
 from kvrt.runtime.requests import Request

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.sampling import SamplingParams
 from kvrt.runtime.admission import EngineConfig

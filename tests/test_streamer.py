@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvrt.errors import KvrtError
 from kvrt.stream.streamplan import (
     POOL_ALIGN,
@@ -288,6 +289,7 @@ def fma_streamer():
 
 def fma_pass(streamer, *, overlapped: bool, iters: int, poison: bool) -> np.ndarray:
     import cupy as cp
+
     from kvrt.stream.streamwork import FmaWork
 
     fma = FmaWork(cp, streamer.config.layer_bytes[0], iters)
@@ -318,6 +320,7 @@ def test_serial_and_overlapped_fma_passes_are_identical_and_right(fma_streamer, 
 @pytest.mark.gpu
 def test_real_layers_streamed_match_numpy_float32() -> None:
     import cupy as cp
+
     from kvrt.stream.layer import ArrayOps, LayerShape, fill_random, forward, rope_tables, weights
     from kvrt.stream.streamer import LayerStreamer
     from kvrt.stream.streamwork import LayerWork

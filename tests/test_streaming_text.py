@@ -7,6 +7,7 @@ chosen from the unstopped output itself, so it certainly occurs; no piece may sh
 from __future__ import annotations
 
 import pytest
+
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import VramLedger
 from kvrt.engine.context import Context

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvrt.engine.chat import ChatTemplateError
 from kvrt.engine.chat_jinja import render_jinja
 from kvrt.serve.api_error import ApiError

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import numpy as np
+
 from kvrt.memory.elastic import ElasticPool
 
 MiB = 1 << 20

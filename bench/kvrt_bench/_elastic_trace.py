@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kvrt.memory.elastic import ElasticPool, ElasticRefusal
 from kvrt.memory.elastic_kv import ElasticKV, KVLayout
-
 from kvrt_bench._elastic_pages import page_driver, pct
 from kvrt_bench._plotting import draw
 

@@ -63,7 +63,6 @@ from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import GenerationParams, prefill
 from kvrt.engine.model import Model
 from kvrt.state.contextpool import ContextPool
-
 from kvrt_bench._peer import LlamaPeer
 
 ARMS = ("naive", "baseline", "peer-ram", "peer-disk", "isolated", "isolated-cold", "shared", "ideal")

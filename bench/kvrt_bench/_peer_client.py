@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvrt.serve.results import percentiles
-
 from kvrt_bench._peer_workloads import Workload
 
 

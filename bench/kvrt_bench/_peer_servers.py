@@ -34,7 +34,6 @@ from typing import IO, Any
 
 from kvrt.errors import KvrtError
 from kvrt.system.cpu import EXTRA_BUFTS_ENV
-
 from kvrt_bench._peer_client import TurnResult
 
 LLAMA_SERVER_ENV = "KVRT_LLAMA_SERVER"

@@ -16,7 +16,6 @@ from kvrt.errors import KvrtError
 from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import Snapshot
 from kvrt.state.staging import KVStager, PendingSnapshot
-
 from kvrt_bench._swap import document
 
 

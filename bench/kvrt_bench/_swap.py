@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kvrt.engine.batch import Batch
 from kvrt.engine.context import Context
 from kvrt.engine.context_params import ContextParams
@@ -38,7 +39,6 @@ from kvrt.engine.generation import prefill
 from kvrt.engine.model import Model
 from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import Snapshot
-
 from kvrt_bench._bounds import Bound, ideal_bound
 from kvrt_bench._stats import summarize
 

@@ -20,7 +20,6 @@ from kvrt.engine.generation import GenerationParams, generate
 from kvrt.engine.model import Model
 from kvrt.serve.results import percentiles
 from kvrt.serve.scheduler import Scheduler
-
 from kvrt_bench._log import log
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kvrt.accounting.estimate import DeviceMeter, ModelShape, context_estimate
 from kvrt.accounting.ledger import LedgerDenied, NvmlProbe, VramLedger
 from kvrt.engine.batch import Batch
@@ -46,7 +47,6 @@ from kvrt.modelfiles.testmodels import Shape, ensure_model, write_model
 from kvrt.serve.protocol import error_reply
 from kvrt.serve.scheduler import Scheduler
 from kvrt.state.hostpool import HostPool
-
 from kvrt_bench import _swap
 from kvrt_bench._bounds import DEFAULT_TOLERANCE, Bound, enforce
 from kvrt_bench._log import log

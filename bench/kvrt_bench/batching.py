@@ -40,7 +40,6 @@ from kvrt.serve.batched import BatchConfig, BatchedScheduler
 from kvrt.serve.registry import ModelRegistry
 from kvrt.serve.results import DecodeResult, percentiles
 from kvrt.serve.scheduler import Scheduler
-
 from kvrt_bench._bounds import DEFAULT_TOLERANCE, Bound, enforce, ideal_bound
 from kvrt_bench._stats import (
     check_samples,

@@ -33,7 +33,6 @@ from typing import Any
 from kvrt.bindings import FLASH_ATTN
 from kvrt.branching.branches import FORKS, FanoutResult
 from kvrt.engine.model import Model
-
 from kvrt_bench import _fanout_arms
 from kvrt_bench._bounds import DEFAULT_TOLERANCE, Bound, enforce, ideal_bound, speedup_bound
 from kvrt_bench._fanout_arms import (

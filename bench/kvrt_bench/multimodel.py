@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from kvrt.accounting.estimate import ModelShape, context_estimate
 from kvrt.accounting.ledger import LedgerDenied, Reservation, VramLedger
 from kvrt.engine.context import Context
@@ -51,7 +52,6 @@ from kvrt.engine.generation import Completion, GenerationParams, generate
 from kvrt.engine.model import Model
 from kvrt.memory.elastic_context import ElasticContext
 from kvrt.modelfiles.testmodels import ensure_model
-
 from kvrt_bench._plotting import draw
 from kvrt_bench._stats import check_samples, machine, summarize, write_csv, write_json
 

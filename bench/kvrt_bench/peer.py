@@ -40,7 +40,6 @@ from typing import Any
 from kvrt.errors import KvrtError
 from kvrt.modelfiles.demo_model import demo_model_path
 from kvrt.system.cpu import safe_extra_bufts
-
 from kvrt_bench._log import log
 from kvrt_bench._peer_client import TurnResult, run_workload, stream_turn, token_agreement, turn_metrics
 from kvrt_bench._peer_servers import (

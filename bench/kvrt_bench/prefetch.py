@@ -48,7 +48,6 @@ from kvrt.engine.model import Model
 from kvrt.errors import KvrtError
 from kvrt.state.hostpool import HostPool
 from kvrt.state.staging import KVStager, StagerStats
-
 from kvrt_bench._bounds import DEFAULT_TOLERANCE, Bound, enforce, ideal_bound
 from kvrt_bench._prefetch_arms import (
     Activation,

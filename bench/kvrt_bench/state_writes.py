@@ -39,7 +39,6 @@ from kvrt.serve.batched import BatchConfig, BatchedScheduler
 from kvrt.serve.scheduler import Scheduler
 from kvrt.state.agentstore import AgentRecord, AgentStore
 from kvrt.state.snapshot import Snapshot
-
 from kvrt_bench._log import log
 from kvrt_bench._stats import check_samples, machine, summarize, write_csv, write_json
 

@@ -35,7 +35,6 @@ from kvrt.stream.layer import LayerShape, fill_random
 from kvrt.stream.streamer import LayerStreamer
 from kvrt.stream.streamplan import RunTimes, StreamConfig, StreamReport, report
 from kvrt.stream.streamwork import FmaWork, LayerWork
-
 from kvrt_bench._bounds import DEFAULT_TOLERANCE, Bound, enforce, ideal_bound
 from kvrt_bench._plotting import draw
 from kvrt_bench._stats import check_samples
