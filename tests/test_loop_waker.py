@@ -55,3 +55,32 @@ def test_many_threads_setting_events_while_the_loop_runs_lose_none():
         return flags
 
     assert all(flag.is_set() for flag in asyncio.run(main()))
+
+
+
+def test_a_paced_stream_sends_a_keep_alive_only_when_the_interval_passes_without_an_event():
+    """``Bridge.paced``: ``None`` (a keep-alive) once ``keepalive_s`` passes without an event, events as they come,
+    and no keep-alive for a wake whose event was already taken (the engine pushes, then notifies: the wake may
+    come after the reader took the event; here a notify without an event stands for it). The engine's side pushes
+    from another thread, as in the server."""
+    from kvrt.runtime.requests import Request, RequestEnd, RequestStream, TokenEvent
+    from kvrt.serve.sse import Bridge
+
+    a, b, end = TokenEvent(0, 7, "a"), TokenEvent(0, 8, "b"), RequestEnd(3, 0, 2)
+
+    async def read() -> list[object]:
+        bridge = Bridge(Waker(asyncio.get_running_loop()))
+        stream = RequestStream("r", Request([1, 2, 3]), notify=bridge.notify)
+        seen: list[object] = []
+        async for event in bridge.paced(stream, 0.5):
+            seen.append(event)
+            if event is None:
+                threading.Thread(target=stream.push, args=(a,)).start()
+            elif event == a:
+                bridge.notify()  # a wake with nothing new
+                threading.Timer(0.01, stream.push, (b,)).start()  # well within the interval
+            elif event == b:
+                threading.Thread(target=stream.push, args=(end,)).start()
+        return seen
+
+    assert asyncio.run(asyncio.wait_for(read(), 30)) == [None, a, b, end]

@@ -20,7 +20,6 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import replace
 from typing import Any
 
 from fastapi import Request as HttpRequest
@@ -51,7 +50,7 @@ from kvrt.serve.model_pool import ModelPool
 from kvrt.serve.openai_format import Kind, Shaper
 from kvrt.serve.openai_schema import engine_request
 from kvrt.serve.recent import Recent
-from kvrt.serve.sse import KEEPALIVE, Bridge, Waker, paced, sse
+from kvrt.serve.sse import KEEPALIVE, Bridge, Waker, sse
 
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 DEFAULT_SSE_KEEPALIVE_S = 15.0  # under the 30-60 s idle timeouts of common proxies and load balancers
@@ -173,14 +172,14 @@ class Runner:
             prompt, shift = shift_prompt(prompt, engine.config, n=body.n, max_tokens=max_tokens or
                                          self.default_max_tokens, keep=self.keep_tokens)
         try:
+            turn = self.agents.turn(agent, engine, body.n)
             job = engine_request(body, prompt, n_cells=engine.n_cells, n_vocab=engine.model.n_vocab,
                                  max_tokens=max_tokens, default_max_tokens=self.default_max_tokens, logprobs=logprobs,
                                  grammar=tools.grammar if tools is not None else None,
-                                 exact_prefix=self.exact_prefix)
-            turn = self.agents.turn(agent, engine, job.n)
-            job = replace(job, agent=agent, at_end=turn.capture if turn is not None else None)
-            if self.request_timeout_s is not None:
-                job = replace(job, deadline=time.monotonic() + self.request_timeout_s)
+                                 exact_prefix=self.exact_prefix, agent=agent,
+                                 at_end=turn.capture if turn is not None else None,
+                                 deadline=None if self.request_timeout_s is None
+                                 else time.monotonic() + self.request_timeout_s)
         except KvrtError as exc:
             raise ApiError(400, str(exc)) from None
         await asyncio.to_thread(self.agents.prepare, agent, body.model, engine)
@@ -251,7 +250,7 @@ class Runner:
                      usage: bool, choices: list[ChoiceResult] | None = None) -> Chunks:
         """A streamed request's chunks, once it was admitted (a refusal before its first output or keep-alive is
         raised here as an HTTP error); see :meth:`_stream`."""
-        events = paced(bridge.events(stream), self.sse_keepalive_s)
+        events = bridge.paced(stream, self.sse_keepalive_s)
         try:
             first = await _admitted(request, stream, events)
         except BaseException:

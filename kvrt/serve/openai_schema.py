@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+from kvrt.engine.context import Context
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.model import Model
 from kvrt.engine.sampling import MAX_SEED, SamplingParams
@@ -423,13 +424,16 @@ def logit_bias_pairs(bias: Mapping[str, float] | None, n_vocab: int) -> tuple[tu
 
 def engine_request(body: _Body, prompt: list[int], *, n_cells: int, n_vocab: int, max_tokens: int | None,
                    default_max_tokens: int, logprobs: int | None, grammar: str | None = None,
-                   exact_prefix: bool = False) -> Request:
+                   exact_prefix: bool = False, agent: str | None = None,
+                   at_end: Callable[[Context, int, tuple[int, ...]], None] | None = None,
+                   deadline: float | None = None) -> Request:
     """The engine's :class:`Request` for a validated body.
 
     ``max_tokens`` None: ``default_max_tokens`` or whatever still fits the context beside
     the prompt and the other choices, whichever is smaller. ``grammar`` (forced tool calls)
     replaces ``response_format``'s. ``exact_prefix`` is the server's default for a body that
-    does not set its own.
+    does not set its own. ``agent``, ``at_end`` and ``deadline`` are the request's own
+    (:class:`Request`): made here, the prompt is copied and checked once.
     """
     if max_tokens is None:
         max_tokens = max(1, min(default_max_tokens, (n_cells - len(prompt)) // body.n))
@@ -446,4 +450,4 @@ def engine_request(body: _Body, prompt: list[int], *, n_cells: int, n_vocab: int
     params = GenerationParams(max_tokens=max_tokens, stop=tuple(stops), sampling=sampling, ignore_eos=body.ignore_eos)
     exact = exact_prefix if body.exact_prefix is None else body.exact_prefix
     return Request(prompt, params, n=body.n, stop_token_ids=frozenset(body.stop_token_ids), logprobs=logprobs,
-                   exact=exact)
+                   exact=exact, agent=agent, at_end=at_end, deadline=deadline)

@@ -54,42 +54,45 @@ class Bridge:
     def __init__(self, waker: Waker) -> None:
         self._waker = waker
         self._flag = asyncio.Event()
+        self._keepalive_due = False
 
     def notify(self) -> None:
         self._waker.set_soon(self._flag)
 
     async def events(self, stream: RequestStream) -> AsyncIterator[Event]:
+        """``stream``'s events as they come, its :class:`RequestEnd` last."""
+        async for event in self.paced(stream, None):
+            if event is not None:
+                yield event
+
+    async def paced(self, stream: RequestStream, keepalive_s: float | None) -> AsyncIterator[Event | None]:
+        """:meth:`events`, and ``None`` each time ``keepalive_s`` seconds pass without one (a request waiting in
+        the queue, or before its first token): the stream sends a keep-alive then.
+
+        Why a timer and not a timeout around each wait: this runs once for every token of every stream, and a
+        timeout costs a task and a waiter each time (``asyncio.wait``), a timer one handle."""
+        loop = asyncio.get_running_loop()
         while True:
             self._flag.clear()
             while (event := stream.poll()) is not None:
                 yield event
                 if isinstance(event, RequestEnd):
                     return
-            await self._flag.wait()
-
-
-async def paced(events: AsyncIterator[Event], interval_s: float) -> AsyncIterator[Event | None]:
-    """``events`` as they come, and ``None`` each time ``interval_s`` seconds pass without one (a request
-    waiting in the queue, or before its first token): the stream sends a keep-alive then.
-
-    The wait for the next event is never cancelled by a timeout (that would close ``events``);
-    it is cancelled only when the caller stops iterating.
-    """
-    pending: asyncio.Future[Event] = asyncio.ensure_future(anext(events))
-    try:
-        while True:
-            done, _ = await asyncio.wait({pending}, timeout=interval_s)
-            if not done:
-                yield None
+            if keepalive_s is None:
+                await self._flag.wait()
                 continue
+            self._keepalive_due = False  # the timer's mark: a notify for an event already taken wakes the wait too
+            timer = loop.call_later(keepalive_s, self._time_out)
             try:
-                event = pending.result()
-            except StopAsyncIteration:
-                return
-            yield event
-            pending = asyncio.ensure_future(anext(events))
-    finally:
-        pending.cancel()
+                await self._flag.wait()
+            finally:
+                timer.cancel()
+            if self._keepalive_due:
+                yield None
+
+    def _time_out(self) -> None:
+        self._keepalive_due = True
+        self._flag.set()
 
 
 def sse(obj: Mapping[str, Any], event: str | None = None) -> str:
