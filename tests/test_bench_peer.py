@@ -168,6 +168,8 @@ def test_the_kvrt_arm_alone_serves_every_turn_in_full(tiny_model_path, tmp_path)
         swarm = [r for r in csv.DictReader(fh) if r["workload"] == "swarm" and r["agent"] == "0"]
     # each later prompt: the previous one + 4 output tokens + 8 new ones
     assert [int(r["prompt_tokens"]) for r in swarm] == [32, 44, 56]
+    sent, end = [float(r["sent_ms"]) for r in swarm], [float(r["end_ms"]) for r in swarm]
+    assert min(sent) >= 0 and all(s >= e for s, e in zip(sent[1:], end[:-1]))  # each turn sent after the last ended
     assert result["libraries"]["kvrt"] and (tmp_path / "peer" / "peer.csv").exists()
     assert result["extra_bufts"]["use"] == safe_extra_bufts().use_extra_bufts
 

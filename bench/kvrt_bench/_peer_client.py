@@ -147,8 +147,10 @@ def run_workload(endpoint: Endpoint, workload: Workload, timeout_s: float) -> tu
 
 def turn_metrics(results: Sequence[TurnResult], n_agents: int, turns: int, gen: int,
                  wall_s: float) -> dict[str, Any]:
-    """A workload's figures: wall time, output tokens/s, TTFT p50/p99 per turn (1-based), and what was lost:
-    tokens of requests never sent (an agent stopped early) count too."""
+    """A workload's figures: wall time, output tokens/s, TTFT p50/p99 per turn (1-based), the client's own time
+    between an agent's turns (p50/p99 of a turn's send less the agent's last turn's end: what a server's hold for
+    the next turn has to cover on top of its own work), and what was lost: tokens of requests never sent (an agent
+    stopped early) count too."""
     received = sum(r.received for r in results)
     expected = n_agents * turns * gen
     out: dict[str, Any] = {"wall_s": wall_s, "output_tokens": received, "output_tokens_per_s": received / wall_s,
@@ -163,6 +165,10 @@ def turn_metrics(results: Sequence[TurnResult], n_agents: int, turns: int, gen: 
         ttft = [t for r in results if r.turn == turn and (t := r.ttft_ms) is not None]
         p = percentiles(ttft)
         out[f"ttft_p50_ms_turn{turn + 1}"], out[f"ttft_p99_ms_turn{turn + 1}"] = p.p50, p.p99
+    ended = {(r.agent, r.turn): r.end_s for r in results}
+    gaps = percentiles([(r.sent_s - ended[r.agent, r.turn - 1]) * 1e3 for r in results
+                        if (r.agent, r.turn - 1) in ended])
+    out["client_gap_p50_ms"], out["client_gap_p99_ms"] = gaps.p50, gaps.p99
     return out
 
 

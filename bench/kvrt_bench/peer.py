@@ -13,8 +13,9 @@ a token whose text ends inside a UTF-8 character; for such a turn the ids are
 llama-server's ``/tokenize`` of the completion's text (not always the ids it generated),
 and the turn is counted in ``retokenized_requests``.
 
-Per workload and arm: wall time, output tokens/s, TTFT p50/p99 per turn, output tokens
-lost (every request must return all of them), prompt tokens the server reported as
+Per workload and arm: wall time, output tokens/s, TTFT p50/p99 per turn, the client's own
+time between an agent's turns (``client_gap``; requests.csv has each request's send and end),
+output tokens lost (every request must return all of them), prompt tokens the server reported as
 cached, and kvrt's engine counters diffed over the workload (``/v1/kvrt/stats``:
 prefilled, reused, restored tokens). The ideal: ``llama-batched-bench`` of the same build,
 ``-npp`` the first turn's prompt, ``-ntg`` every turn's output, ``-npl N`` (``-pps`` where
@@ -185,7 +186,9 @@ def _measure(arm: ServerArm, workload: Workload, timeout_s: float,
     ttft = " ".join(f"t{t + 1} {row[f'ttft_p50_ms_turn{t + 1}']:.0f}/{row[f'ttft_p99_ms_turn{t + 1}']:.0f}"
                     for t in range(s.turns))
     log(f"  {arm.name:>20} {workload.name:>8}: {wall:7.2f} s, {row['output_tokens_per_s']:7.1f} tok/s, "
-        f"TTFT p50/p99 ms {ttft}, lost {row['lost_tokens']}, retokenized {row['retokenized_requests']}"
+        f"TTFT p50/p99 ms {ttft}"
+        + (f", client gap {row['client_gap_p50_ms']:.1f}/{row['client_gap_p99_ms']:.1f}" if s.turns > 1 else "")
+        + f", lost {row['lost_tokens']}, retokenized {row['retokenized_requests']}"
         + (f", kvrt prefilled {row['kvrt_prefilled_tokens']} reused {row['kvrt_reused_tokens']}"
            if "kvrt_prefilled_tokens" in row else ""))
     if row.get("kvrt_steps"):
@@ -297,7 +300,8 @@ def run(args: argparse.Namespace) -> int:
                         row, turns = _measure(arm, workload, args.request_timeout_s, trace)
                         rows.append(base | row)
                         replies[(n, wname, name)] = turns
-                        requests += [base | _request_row(r) for r in turns]
+                        start = min(r.sent_s for r in turns)
+                        requests += [base | _request_row(r, start) for r in turns]
         if bench is not None:
             results["ideal"][str(n)] = {
                 w: batched_bench(bench, lib, roomy if args.roomy and w in short else config, s.first_prompt_tokens(),
@@ -316,9 +320,12 @@ def run(args: argparse.Namespace) -> int:
     return 1 if lost else 0
 
 
-def _request_row(r: TurnResult) -> dict[str, Any]:
+def _request_row(r: TurnResult, start: float) -> dict[str, Any]:
+    """One request's row of requests.csv; ``sent_ms`` and ``end_ms`` count from the workload's first request
+    (``start``), so an agent's next ``sent_ms`` less its last ``end_ms`` is the client's own time between turns."""
     return {"agent": r.agent, "turn": r.turn + 1, "prompt_tokens": r.prompt_tokens, "ttft_ms": r.ttft_ms,
-            "latency_ms": (r.end_s - r.sent_s) * 1e3, "received": r.received, "reported": r.reported,
+            "latency_ms": (r.end_s - r.sent_s) * 1e3, "sent_ms": (r.sent_s - start) * 1e3,
+            "end_ms": (r.end_s - start) * 1e3, "received": r.received, "reported": r.reported,
             "completion_ids": len(r.tokens),
             "cached": r.cached, "retokenized": r.retokenized, "error": r.error}
 
