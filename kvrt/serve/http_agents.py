@@ -171,6 +171,11 @@ class AgentBook:
         with self._lock:
             self.problems.extend(problems)
 
+    def restoring(self, agent: str | None) -> bool:
+        """Whether ``agent`` has a saved history still waiting to be restored, so its request needs :meth:`prepare`
+        (a look at one dict, for the event loop: most requests have none and skip the hop to a worker thread)."""
+        return agent is not None and agent in self._waiting
+
     def prepare(self, agent: str | None, model: str, engine: Engine) -> bool:
         """Before ``agent``'s request to ``model`` (served by ``engine``) is queued (a worker thread, blocking): its
         saved KV, if it waits to be restored and was saved with that model, into the engine's host tier; whether

@@ -87,6 +87,8 @@ class Intake:
         pieces = self._pieces.get(model_name)
         if pieces is None:
             pieces = self._pieces[model_name] = self._tokenizer.submit(longest_piece, engine.model)
+        if pieces.done():  # known: awaiting a finished thread future still costs a loop wake-up
+            return engine.n_cells, pieces.result()
         return engine.n_cells, await asyncio.wrap_future(pieces)
 
     async def chat_tokens(self, engine: Engine, body: ChatBody,

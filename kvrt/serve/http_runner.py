@@ -182,7 +182,8 @@ class Runner:
                                  else time.monotonic() + self.request_timeout_s)
         except KvrtError as exc:
             raise ApiError(400, str(exc)) from None
-        await asyncio.to_thread(self.agents.prepare, agent, body.model, engine)
+        if self.agents.restoring(agent):
+            await asyncio.to_thread(self.agents.prepare, agent, body.model, engine)
         record: RequestRecord = request.state.kvrt
         record.model = body.model
         bridge = Bridge(self._waker())

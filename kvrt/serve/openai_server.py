@@ -203,7 +203,12 @@ class OpenAIServer:
         agent = request_agent(request, getattr(body, "user", None))
         engine = await self.models.engine(request, body.model)
         limit = await self.intake.limit(body.model, engine)
-        prompt = await self.intake.off_loop(lambda: completion_prompt(engine.model, body.prompt, limit=limit))
+        # token ids are checked here (a pass over them costs less than a hop to a thread and back, and holds the
+        # GIL either way); text is tokenized off the loop
+        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int):
+            prompt = completion_prompt(engine.model, body.prompt, limit=limit)
+        else:
+            prompt = await self.intake.off_loop(lambda: completion_prompt(engine.model, body.prompt, limit=limit))
         return await self.runner.run(request, "text", body, engine, prompt,
                                      body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs, agent=agent)
 
