@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # kvrt's peer run, A/B on one GPU machine: this tree's kvrt/ against another commit's, alternating, kvrt's arm alone.
-# Machines differ by 10-20 % from one loan to the next, so a change is judged only against a base run beside it.
+# GPU machines differ from one loan to the next, so a change is judged only against a base run beside it.
 #   here:       bash tools/peer_ab.sh prepare REV      # REV's kvrt/ into .ab-base/kvrt (ignored; carry it)
 #   GPU machine: bash tools/peer_ab.sh run [ROUNDS]    # after `tools/device_run.sh early|all` built llama.cpp there
 # The run takes ROUNDS (default 2) pairs, head first, each `tools/device_run.sh late` with only step 80-peer and
 # the peer's knobs from the environment (defaults: PEER_AGENTS=32, PEER_ARGS="--arms kvrt --workloads private",
-# PEER_N_TIMEOUT_S=110); ~60 s a run for N = 32 private on an H100. It swaps kvrt/ for .ab-base/kvrt and back
+# PEER_N_TIMEOUT_S=110). It swaps kvrt/ for .ab-base/kvrt and back
 # (device_run.sh installs the tree's kvrt each call; bindings/ and kernels/ stay this tree's), packs
 # $OUT/ab.tgz with ab/{head,base}-I/ (the peer's log, peer.json, the step traces) and the runs' logs, and prints
 # each run's kvrt and ideal lines. Call it with carry [".gpu-carry", ".ab-base"], and move bench/results out of
