@@ -11,8 +11,11 @@ tier's copy of it, is a sample: the time from its slot's release to the turn's a
 hold is the configured one, or :data:`MARGIN` times the longest of the last ``window`` samples when that is
 longer, at most :data:`CAP_S`. Turns arriving late raise it for the turns behind them: those within the hold,
 and those after it whose history the host tier kept, so a hold too short for the traffic learns from the
-turns it failed. A turn whose history was lost altogether is no sample (nothing says whose it was). Where no
-agent comes back, no sample is taken, and the configured hold stays. A configured hold of 0 turns holds off.
+turns it failed. A turn whose history was lost altogether is no sample (nothing says whose it was), nor is
+one that came back later than :data:`CAP_S`: no hold could have covered it, and an agent that waited on a
+tool or a person says nothing about how late a turn already on its way may be (counted, such agents would
+keep the hold at its cap, and every new request waiting on it). Where no agent comes back in time, no sample
+is taken, and the configured hold stays. A configured hold of 0 turns holds off.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 
 MARGIN = 2.0  # the hold over the longest recent turnaround: room for the next turn to be a little later
-CAP_S = 1.0  # the longest the measured hold may grow to (a configured hold_s longer than this is kept)
+CAP_S = 1.0  # the longest the measured hold may grow to, and the latest turn that is a sample (a longer hold_s is kept)
 
 
 class TurnHold:
@@ -31,8 +34,10 @@ class TurnHold:
         self._turnarounds: deque[float] = deque(maxlen=max(1, window))
 
     def observe(self, turnaround_s: float) -> None:
-        """A next turn came ``turnaround_s`` seconds after its slot was released, and found its history."""
-        self._turnarounds.append(turnaround_s)
+        """A next turn came ``turnaround_s`` seconds after its slot was released, and found its history (a sample
+        if no longer than :data:`CAP_S`)."""
+        if turnaround_s <= CAP_S:
+            self._turnarounds.append(turnaround_s)
 
     @property
     def seconds(self) -> float:
