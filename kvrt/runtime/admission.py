@@ -406,7 +406,7 @@ def _shares_what_is_coming(prompt: np.ndarray, cached: int, prefilling: Sequence
     Why: measuring that prefix is a full comparison of every pair of waiting and prefilling prompts, quadratic in
     the agents admitted in one step, each as long as their shared document."""
     k = cached + WAIT_FOR_SHARE
-    if k > len(prompt) - 1:
+    if not _waits_to_share(len(prompt), cached, k):  # not even a share of k tokens is worth waiting for
         return False
     head = prompt[:k]
     return any(len(other) >= k and other[k - 1] == head[k - 1] and common_prefix(other[:k], head) == k

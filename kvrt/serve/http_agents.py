@@ -181,7 +181,7 @@ class AgentBook:
         saved KV, if it waits to be restored and was saved with that model, into the engine's host tier; whether
         this call put it there. A failure now is a problem of that agent (its turn prefills); an engine closing
         meanwhile leaves it waiting."""
-        if agent is None or agent not in self._waiting:
+        if agent is None or not self.restoring(agent):
             return False
         with self._lock:
             lock = self._locks.setdefault(agent, threading.Lock())
