@@ -71,6 +71,21 @@ def reference(model, tokens: list[int], max_tokens: int, **sampling: Any):
                                                       sampling=SamplingParams(**sampling)))
 
 
+def test_the_front_says_which_event_loop_and_http_parser_it_runs_on(served):
+    """The serve extra installs uvloop and httptools, and uvicorn takes them: the pure-Python fallbacks (asyncio's
+    loop and h11) would cost every streamed token more of the interpreter the engine's thread shares."""
+    import importlib.util
+
+    expected = ("uvloop" if importlib.util.find_spec("uvloop") else "asyncio") + " + " + (
+        "httptools" if importlib.util.find_spec("httptools") else "h11")
+    assert served["server"].runs_on == expected
+    unstarted = OpenAIServer(served["engines"])
+    try:
+        assert unstarted.runs_on == ""
+    finally:
+        unstarted.stop()
+
+
 def test_models_are_listed_by_file_stem(client, served):
     assert {m.id for m in client.models.list().data} == {served["demo"], served["tiny"]}
     assert client.models.retrieve(served["tiny"]).id == served["tiny"]

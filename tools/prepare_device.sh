@@ -6,8 +6,9 @@
 #     like, keeping tools/ (server, batched-bench, ui and the tools/CMakeLists.txt that adds them all)
 #     and scripts/*.cmake (ui-assets.cmake); about 10 MB;
 #   - wheels of the Python packages kvrt needs that the GPU machine's image lacks (the serve extra's too,
-#     prometheus-client included, for `kvrt serve --http` in `kvrt bench peer`), and py-spy (a sampling
-#     profiler, for 80-peer's PEER_PROFILE_S).
+#     prometheus-client included, for `kvrt serve --http` in `kvrt bench peer`, and uvloop and httptools, the
+#     event loop and HTTP parser uvicorn takes where they are installed, as the serve extra installs them), and
+#     py-spy (a sampling profiler, for 80-peer's PEER_PROFILE_S).
 # Then (optional, ~25 min) tools/prebuild_llama_cuda.sh makes the CUDA build here, so the GPU machine skips its own;
 # and run tools/device_run.sh there with .gpu-carry carried along.
 set -euo pipefail
@@ -37,7 +38,7 @@ for n in 17 24 27 28 31 34 35; do platforms+=(--platform "manylinux_2_${n}_x86_6
 platforms+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 serve=("fastapi==0.165.0" "starlette==1.10.0" "pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types"
        "annotated-doc" "typing-inspection" "typing-extensions>=4.16" "uvicorn==0.55.0" "opentelemetry-api" "h11"
-       "click" "anyio" "idna" "sniffio" "prometheus-client")
+       "click" "anyio" "idna" "sniffio" "prometheus-client" "uvloop" "httptools")
 # into a new folder that then replaces the old one: a package released since the last run would
 # otherwise leave two versions of itself there (two idna wheels made the device's pip refuse both)
 mkdir -p "$work/wheels"

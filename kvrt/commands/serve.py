@@ -196,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
             pool = fronts.http.pool
             waiting = [name for name in pool.names() if not pool.is_loaded(name)]
             print(f"kvrt serve: http://{host}:{port}/v1 serving {', '.join(pool.engines) or 'no model yet'}"
-                  + (f" (on demand: {', '.join(waiting)})" if waiting else ""), flush=True)
+                  + (f" (on demand: {', '.join(waiting)})" if waiting else "")
+                  + f" on {fronts.http.server.runs_on}", flush=True)
         signals.wait_for_first()
     except BaseException:
         fronts.stop(args.shutdown_timeout_s)

@@ -264,6 +264,18 @@ class OpenAIServer:
         self._server, self._thread = server, thread
         return sock.getsockname()[0], sock.getsockname()[1]
 
+    @property
+    def runs_on(self) -> str:
+        """The event loop and HTTP parser a started server runs on, e.g. ``uvloop + httptools``: uvicorn takes
+        those where installed (the serve extra installs them) and falls back to asyncio's own loop and h11, which
+        are pure Python and cost the front more CPU a streamed token, time the engine's thread waits out under
+        the GIL. ``""`` before :meth:`start`."""
+        if self._server is None or not self._server.servers:
+            return ""
+        loop = type(self._server.servers[0]).__module__.partition(".")[0]
+        parser = self._server.config.http_protocol_class.__module__.rpartition(".")[2].removesuffix("_impl")
+        return f"{loop} + {parser}"
+
     def stop_accepting(self) -> None:
         """Begin :meth:`stop`: no new connections; open ones finish (close the engines to end their requests);
         ``/health`` answers 503 from now on."""
