@@ -149,6 +149,18 @@ def auto_cells(n: int, sizes: dict[str, Sizes]) -> int:
     return n * -(-longest // CELL_ROUND) * CELL_ROUND
 
 
+def server_config(args: argparse.Namespace, n: int, sizes: dict[str, Sizes], model: Path,
+                  extra_bufts: bool) -> ServerConfig:
+    """What every arm gets at ``n`` agents: ``--preset``'s cells (0: :func:`auto_cells`), batch sizes and flash
+    attention, each overridden by its option when given, ``--threads``, and the machine's extra-buffer verdict
+    (``extra_bufts``); also what ``tools/probe_engine_alone.py`` gives the engine it runs without the front."""
+    preset = PRESETS[args.preset]
+    cells = (preset["cells"] if args.cells is None else args.cells) or auto_cells(n, sizes)
+    return ServerConfig(model, cells, n, args.n_batch or preset["n_batch"],
+                        args.prefill_chunk or preset["prefill_chunk"], args.flash_attn or preset["flash_attn"],
+                        args.threads, extra_bufts)
+
+
 def _warm(arm: ServerArm, vocabulary: list[int], timeout_s: float) -> None:
     result = stream_turn(arm, -1, 0, vocabulary[:16], 2, timeout_s)
     if not result.complete:
@@ -176,7 +188,7 @@ def _measure(arm: ServerArm, workload: Workload, timeout_s: float,
     wall, results = run_workload(arm, workload, timeout_s)
     after = arm.kvrt_stats()
     if trace is not None and trace[0].exists():
-        _copy_steps(trace[0], start, after.get("steps", 0) - before.get("steps", 0), trace[1])
+        copy_steps(trace[0], start, after.get("steps", 0) - before.get("steps", 0), trace[1])
     s = workload.sizes
     row = turn_metrics(results, workload.n_agents, s.turns, s.gen, wall)
     row |= {f"kvrt_{k}": after[k] - before[k] for k in KVRT_COUNTERS if k in after}
@@ -192,11 +204,11 @@ def _measure(arm: ServerArm, workload: Workload, timeout_s: float,
         + (f", kvrt prefilled {row['kvrt_prefilled_tokens']} reused {row['kvrt_reused_tokens']}"
            if "kvrt_prefilled_tokens" in row else ""))
     if row.get("kvrt_steps"):
-        log(f"  {'':>20} {'':>8}  {_step_times(row)}")
+        log(f"  {'':>20} {'':>8}  {step_times(row)}")
     return row, results
 
 
-def _copy_steps(server_trace: Path, start: int, steps: int, to: Path, wait_s: float = 5.0) -> None:
+def copy_steps(server_trace: Path, start: int, steps: int, to: Path, wait_s: float = 5.0) -> None:
     """Copy the ``steps`` lines the server's trace has past byte ``start`` to ``to``. A step's line is written just
     after its tokens went out, so the last one may land a moment after the workload's last answer: wait for it."""
     deadline = time.monotonic() + wait_s
@@ -211,7 +223,7 @@ def _copy_steps(server_trace: Path, start: int, steps: int, to: Path, wait_s: fl
     to.write_bytes(b"".join(data.splitlines(keepends=True)[:steps]))
 
 
-def _step_times(row: dict[str, Any]) -> str:
+def step_times(row: dict[str, Any]) -> str:
     """kvrt's steps, phase by phase, in ms a step (EngineStats), and the layout it ended in."""
     per_step = {k: row[f"kvrt_{k}"] / row["kvrt_steps"] * 1e3 for k in ("busy_s", "decode_s", "admit_s", "fill_s",
                                                                        "sample_s", "host_cpu_s")}
@@ -270,10 +282,7 @@ def run(args: argparse.Namespace) -> int:
     replies: dict[tuple[int, str, str], list[TurnResult]] = {}
     for n in agents:
         workloads = {name: build(name, s, n, vocabulary, args.seed) for name, s in sizes.items()}
-        cells = (preset["cells"] if args.cells is None else args.cells) or auto_cells(n, sizes)
-        config = ServerConfig(path, cells, n,
-                              args.n_batch or preset["n_batch"], args.prefill_chunk or preset["prefill_chunk"],
-                              args.flash_attn or preset["flash_attn"], args.threads, verdict.use_extra_bufts)
+        config = server_config(args, n, sizes, path, verdict.use_extra_bufts)
         log(f"N={n}: {config.cells} cells, n_batch {config.n_batch}, flash attention {config.flash_attn}, "
             f"{path.name}, {config.repack_flag()}; workloads "
             + ", ".join(f"{w} {s.cells_per_agent} cells/agent" for w, s in sizes.items()))

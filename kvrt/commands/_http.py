@@ -12,6 +12,7 @@ from kvrt.commands._args import non_negative_int, positive_int, seconds
 from kvrt.errors import KvrtError
 
 if TYPE_CHECKING:  # the serve extra's imports wait until --http is used
+    from kvrt.runtime.admission import EngineConfig
     from kvrt.serve.http_front import HttpFront
     from kvrt.serve.registry import ModelRegistry
 
@@ -106,23 +107,30 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The :class:`EngineConfig` every engine of ``kvrt serve --http`` gets, from its parsed options; one place,
+    so a tool that runs the engine without the front (``tools/probe_engine_alone.py``) gets the very same one."""
+    from kvrt.runtime.admission import EngineConfig
+
+    return EngineConfig(n_ctx=args.n_ctx, n_seq_max=args.slots, n_batch=args.n_batch,
+                        prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
+                        flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout,
+                        pad_gaps=getattr(args, "pad_gaps", "on") == "on",
+                        even_chunks=getattr(args, "even_chunks", "on") == "on",
+                        decode_wait_s=getattr(args, "decode_wait_s", EngineConfig.decode_wait_s),
+                        hold_s=getattr(args, "hold_s", EngineConfig.hold_s),
+                        backend_sampling=getattr(args, "backend_sampling", "off") == "on",
+                        host_write_behind=getattr(args, "host_write_behind", "on") == "on",
+                        warmup=getattr(args, "warmup", EngineConfig.warmup))
+
+
 def start_http(args: argparse.Namespace, registry: ModelRegistry) -> HttpFront:
     """Start ``kvrt serve --http``'s front from its parsed options (see :func:`kvrt.serve.http_front.start_front`:
     every ``--model`` loaded through ``registry``'s ledger, ``--models-dir``'s listed for loading on demand)."""
-    from kvrt.runtime.admission import EngineConfig
     from kvrt.serve.http_front import HttpOptions, start_front
 
     host, port = parse_address(args.http)
-    config = EngineConfig(n_ctx=args.n_ctx, n_seq_max=args.slots, n_batch=args.n_batch,
-                          prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, n_threads=args.threads,
-                          flash_attn=args.flash_attn, host_bytes=args.host_mib << 20, kv_layout=args.kv_layout,
-                          pad_gaps=getattr(args, "pad_gaps", "on") == "on",
-                          even_chunks=getattr(args, "even_chunks", "on") == "on",
-                          decode_wait_s=getattr(args, "decode_wait_s", EngineConfig.decode_wait_s),
-                          hold_s=getattr(args, "hold_s", EngineConfig.hold_s),
-                          backend_sampling=getattr(args, "backend_sampling", "off") == "on",
-                          host_write_behind=getattr(args, "host_write_behind", "on") == "on",
-                          warmup=getattr(args, "warmup", EngineConfig.warmup))
+    config = engine_config(args)
     state_dir = getattr(args, "state_dir", None)
     options = HttpOptions(models=tuple(Path(p) for p in getattr(args, "model", None) or ()),
                           models_dir=Path(args.models_dir) if getattr(args, "models_dir", None) else None,
