@@ -21,8 +21,10 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 tarball="$carry/llama-cpp-python.tar.gz"
-# a tarball from before llama-server was built there lacks tools/server: make it again
-if [ ! -f "$tarball" ] || ! tar -tzf "$tarball" | grep -q 'vendor/llama.cpp/tools/server/CMakeLists.txt$'; then
+# a tarball from before llama-server was built there lacks tools/server: make it again (grep -c reads the whole
+# listing: grep -q would stop early, tar die of SIGPIPE, and pipefail make the tarball anew on every run, which
+# also orphans tools/prebuild_llama_cuda.sh's pack, keyed by the tarball's SHA-256)
+if [ ! -f "$tarball" ] || ! tar -tzf "$tarball" | grep -c 'vendor/llama.cpp/tools/server/CMakeLists.txt$' > /dev/null; then
   python3 -m pip download -q --no-deps --no-binary=:all: -d "$work" "llama-cpp-python==$LLAMA_VERSION"
   tar -C "$work" -xzf "$work"/llama_cpp_python-*.tar.gz
   src=$(echo "$work"/llama_cpp_python-*/)
