@@ -22,11 +22,12 @@ the policy every tier shares, with an agent's slots one priority above anonymous
 engine, and it mirrors each change exactly: a decoded row makes one new cell, a shared
 ``seq_cp`` makes the destination share the source's cells and a split one gives it
 copies, ``seq_rm`` drops a slot's claim and a cell without claims is free (what
-llama.cpp's cache does). So :attr:`used_cells` is the real count of occupied cells,
-computed without asking llama.cpp, and admission can decide exactly what eviction would
-free. Invariant of the split layout: a stream copy is pending from ``seq_cp`` until the
-next successful decode (:meth:`settled`), so until then no slot it reads or writes is
-restored from or copied to the host (their device data is not what the mirror says yet).
+llama.cpp's cache does; :class:`kvrt.runtime.cell_claims.CellClaims` keeps the cells and their
+claims). So :attr:`used_cells` is the real count of occupied cells, computed without asking
+llama.cpp, and admission can decide exactly what eviction would free. Invariant of the split
+layout: a stream copy is pending from ``seq_cp`` until the next successful decode
+(:meth:`settled`), so until then no slot it reads or writes is restored from or copied to the
+host (their device data is not what the mirror says yet).
 
 With a :class:`kvrt.runtime.host_tier.HostTier` an evicted slot's state is first copied
 to host memory, unless :meth:`PrefixCache.back_up` copied it while the engine had nothing
@@ -47,7 +48,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import Counter
 from collections.abc import Collection, Iterable, Sequence, Set
 from typing import Literal
 
@@ -57,6 +57,7 @@ from kvrt.engine.context import Context
 from kvrt.engine.decode_step import Feed
 from kvrt.errors import KvrtError
 from kvrt.prefixes import Eviction, TokenIds
+from kvrt.runtime.cell_claims import CellClaims
 from kvrt.runtime.host_tier import HostEntry, HostTier, owner_priority
 from kvrt.runtime.slot_tokens import SlotTokens
 
@@ -81,10 +82,8 @@ class PrefixCache:
         self._unsettled: set[int] = set()  # split: slots a pending stream copy reads or writes
         self.state: list[SlotState] = ["free"] * self.n_slots
         self._tokens = SlotTokens(self.n_slots)
-        self._cells: list[list[int]] = [[] for _ in range(self.n_slots)]
+        self._cells = CellClaims(self.n_slots, self.n_cells)  # each slot's cells, and who claims each cell
         self._cold = [0] * self.n_slots  # each slot's first positions computed as a cold prefill computes them
-        self._refs: Counter[int] = Counter()  # shared: each cell's claims (split: none is shared, none counted)
-        self._next_cell = 0
         self._eviction: Eviction[int] = Eviction()  # the cached slots (pinned ones never chosen), LRU first
         self._owner: list[str | None] = [None] * self.n_slots  # the agent whose history a slot holds
         self._released_at = [-math.inf] * self.n_slots  # when each slot last became cached (time.monotonic)
@@ -97,7 +96,7 @@ class PrefixCache:
 
     @property
     def used_cells(self) -> int:
-        return len(self._refs) if self.shared else sum(len(cells) for cells in self._cells)
+        return self._cells.used
 
     def tokens(self, slot: int) -> list[int]:
         """The tokens whose KV the slot holds, position by position (a copy)."""
@@ -170,17 +169,12 @@ class PrefixCache:
 
     def cells_if_evicted(self, keep: tuple[int, int] | None = None) -> int:
         """Free cells if every unpinned cached slot were emptied (``keep``: a slot's first cells that survive)."""
-        alive: set[int] = set()
-        for slot in range(self.n_slots):
-            if self.state[slot] == "active" or slot in self.pinned:
-                alive.update(self._cells[slot])
-        if keep is not None:
-            alive.update(self._cells[keep[0]][:keep[1]])
-        return self.n_cells - len(alive)
+        kept = [slot for slot in range(self.n_slots) if self.state[slot] == "active" or slot in self.pinned]
+        return self.n_cells - self._cells.distinct(kept, keep)
 
     def pinned_cells(self) -> int:
         """Cells held by pinned slots (never evicted)."""
-        return len({c for slot in self.pinned for c in self._cells[slot]})
+        return self._cells.distinct(self.pinned)
 
     # -- changes (each mirrors one llama.cpp memory call) ------------------------------
     def claim(self, avoid: int | None = None) -> int | None:
@@ -219,10 +213,8 @@ class PrefixCache:
             return
         if self.shared:
             self.ctx.seq_cp(src, dst, p0, p1)
-            cells = self._cells[src][p0:p1]
-            self._cells[dst].extend(cells)
+            self._cells.share(src, dst, p0, p1)
             self._tokens.extend(dst, self._tokens.view(src, p1)[p0:])
-            self._refs.update(cells)
         else:
             self.ctx.seq_cp(src, dst)  # the whole stream, copied on the device at the next decode
             if p1 < self.held(src):
@@ -295,20 +287,15 @@ class PrefixCache:
         start = self.held(slot)
         if alone and self._cold[slot] == start and start % self.unit == 0:
             self._cold[slot] = start + len(tokens) // self.unit * self.unit
-        cells = list(range(self._next_cell, self._next_cell + len(tokens)))
-        self._next_cell += len(tokens)
         self._tokens.extend(slot, tokens)
-        self._cells[slot].extend(cells)
-        if self.shared:
-            self._refs.update(cells)
+        self._cells.append(slot, len(tokens))
 
     def truncate(self, slot: int, keep: int) -> None:
         """Drop the slot's positions from ``keep`` on (``seq_rm``)."""
         if keep >= self.held(slot):
             return
         self.ctx.seq_rm(slot, keep, -1)
-        self._forget(self._cells[slot][keep:])
-        del self._cells[slot][keep:]
+        self._cells.truncate(slot, keep)
         self._tokens.truncate(slot, keep)
         self._cold[slot] = min(self._cold[slot], keep)
 
@@ -359,8 +346,7 @@ class PrefixCache:
             self._copy_to_host(slot)
         self._eviction.discard(slot)
         self.ctx.seq_rm(slot)  # also when the mirror holds nothing: a failed decode may have left cells
-        self._forget(self._cells[slot])
-        self._cells[slot].clear()
+        self._cells.truncate(slot, 0)
         self._tokens.truncate(slot, 0)
         self._cold[slot] = 0
         self._owner[slot] = None
@@ -440,16 +426,6 @@ class PrefixCache:
         except KvrtError as exc:  # e.g. a sliding-window cache that no longer holds the whole prefix
             log.debug("slot %d not copied to the host tier: %s", slot, exc)
             return False
-
-    def _forget(self, cells: Iterable[int]) -> None:
-        """Drop one claim on each of ``cells`` (shared layout; split cells belong to their slot alone, and walking
-        a 4k-cell slot's claims cost ~1 ms an eviction)."""
-        if not self.shared:
-            return
-        for cell in cells:
-            self._refs[cell] -= 1
-            if self._refs[cell] <= 0:
-                del self._refs[cell]
 
     def describe(self) -> list[str]:
         """Each slot's state in a word (``pinned`` for pinned cached slots)."""
