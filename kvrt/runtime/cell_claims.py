@@ -9,8 +9,8 @@ written and given back with its last claim. So each change is a NumPy pass over 
 a Python loop over them: one admission may evict 64 slots of 8k cells each, and ask what evicting would free.
 
 Invariants: ``claims[c]`` is the number of slots whose row holds ``c``; a slot's row holds each id at most
-once (a cell holds one position); the ids past ``_n_free`` in the free stack are exactly those claimed by no
-slot, so :attr:`used` is ``n_cells - _n_free``.
+once (a cell holds one position); the free stack's first ``_n_free`` entries are exactly the ids no slot
+claims, so :attr:`used` is ``n_cells - _n_free``.
 """
 
 from __future__ import annotations
