@@ -99,38 +99,24 @@ def serve_args(arm: ServerArm) -> argparse.Namespace:
 
 @contextmanager
 def served_engine(serve: argparse.Namespace, model: Path, trace_dir: Path | None) -> Iterator[Engine]:
-    """The engine ``kvrt serve --http`` would make of ``serve``'s options: the process settings it sets (GIL switch
-    interval, argmax threads), its ledger and registry (as ``kvrt.commands.serve.run`` builds them, one device),
-    and the model loaded through a :class:`ModelPool` (the front's ``start_front``), its steps traced to
-    ``trace_dir/MODEL.jsonl``. Everything is freed on the way out."""
-    from kvrt.accounting.budget import choose_budget
-    from kvrt.accounting.estimate import load_vram_table
-    from kvrt.accounting.ledger import VramLedger
+    """The engine ``kvrt serve --http`` would make of ``serve``'s options: under its process settings, ledger and
+    registry (:meth:`kvrt.commands.serve.Accounts.of`), the model loaded through a :class:`ModelPool` (the front's
+    ``start_front``), its steps traced to ``trace_dir/MODEL.jsonl``. Everything is freed on the way out."""
+    from kvrt.commands.serve import Accounts
     from kvrt.serve.model_pool import ModelPool
-    from kvrt.serve.registry import ModelRegistry
 
-    sys.setswitchinterval(serve.gil_switch_s)
-    if serve.argmax_threads is not None:
-        from kvrt.engine.argmax import set_threads
-
-        set_threads(serve.argmax_threads)
-    budget = choose_budget(serve.capacity_bytes, serve.admit_percent)
-    ledger = VramLedger(budget.capacity_bytes, admit_percent=serve.admit_percent,
-                        reconcile_every_s=serve.reconcile_s if budget.source == "nvml" else None)
-    registry = ModelRegistry(ledger, n_gpu_layers=serve.n_gpu_layers,
-                             table=load_vram_table(serve.vram_table) if serve.vram_table else None,
-                             measure=serve.charge == "measured")
+    accounts = Accounts.of(serve)
     pool = None
     try:
-        pool = ModelPool(registry, engine_config(serve), models={model.stem: model}, step_trace_dir=trace_dir)
+        pool = ModelPool(accounts.registry, engine_config(serve), models={model.stem: model},
+                         step_trace_dir=trace_dir)
         pool.preload(model.stem)
         yield pool.engines[model.stem]
     finally:
         if pool is not None:
             pool.close_engines()
             pool.close()
-        registry.close()
-        ledger.close()
+        accounts.close()
 
 
 def _submit(engine: Engine, make: Callable[[list[int]], Request], agent: int, turn: int, prompt: list[int],

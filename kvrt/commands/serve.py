@@ -33,12 +33,14 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvrt.accounting.budget import Budget
     from kvrt.accounting.devices import DeviceLedgers
+    from kvrt.accounting.ledger import VramLedger
     from kvrt.serve.daemon import Daemon
     from kvrt.serve.http_front import HttpFront
     from kvrt.serve.registry import ModelRegistry
@@ -160,28 +162,9 @@ def run(args: argparse.Namespace) -> int:
     if args.socket is None and args.http is None:
         raise KvrtError("kvrt serve needs --socket PATH (kvrt's protocol), --http HOST:PORT (OpenAI's API), or both "
                         "(one process, one ledger)")
-    from kvrt.accounting.budget import Budget, choose_budget
-    from kvrt.accounting.estimate import load_vram_table
-    from kvrt.accounting.ledger import VramLedger
-    from kvrt.serve.registry import ModelRegistry
-
-    sys.setswitchinterval(args.gil_switch_s)
-    if args.argmax_threads is not None:
-        from kvrt.engine.argmax import set_threads
-
-        set_threads(args.argmax_threads)
-    table = load_vram_table(args.vram_table) if args.vram_table else None
-    devices = _device_ledgers(args)
-    if devices is not None:
-        budget = Budget("devices", None, args.admit_percent, f"--devices {args.devices}")
-        ledger = devices.ledger(devices.indices[0])
-    else:
-        budget = choose_budget(args.capacity_bytes, args.admit_percent)
-        ledger = VramLedger(budget.capacity_bytes, admit_percent=args.admit_percent,
-                            reconcile_every_s=args.reconcile_s if budget.source == "nvml" else None)
+    accounts = Accounts.of(args)
+    budget, ledger, devices, registry = accounts.budget, accounts.ledger, accounts.devices, accounts.registry
     signals = _Signals()
-    registry = ModelRegistry(ledger, n_gpu_layers=args.n_gpu_layers, table=table, measure=args.charge == "measured",
-                             devices=devices)
     fronts = _Fronts()
     try:
         if args.socket:
@@ -201,13 +184,11 @@ def run(args: argparse.Namespace) -> int:
         signals.wait_for_first()
     except BaseException:
         fronts.stop(args.shutdown_timeout_s)
-        registry.close()
-        (devices or ledger).close()
+        accounts.close()
         raise
     if not _stop_within(fronts, args.shutdown_timeout_s, signals):
         _exit_now(1)  # a request is still inside llama.cpp: freeing models or tearing down Python under it could crash
-    registry.close()
-    (devices or ledger).close()
+    accounts.close()
     unsaved = fronts.unsaved()
     for agent, reason in sorted(unsaved.items()):
         log.error("agent %r is not saved: %s", agent, reason)
@@ -221,6 +202,49 @@ def _devices_help() -> str:
     from kvrt.accounting.devices import SPEC_HELP
 
     return SPEC_HELP
+
+
+@dataclass(frozen=True)
+class Accounts:
+    """What every front of one ``kvrt serve`` process shares: the budget, the ledger (the first device's under
+    ``--devices``, whose ledgers are ``devices``) and the model registry charging it."""
+
+    budget: Budget
+    ledger: VramLedger
+    devices: DeviceLedgers | None
+    registry: ModelRegistry
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Accounts:
+        """``kvrt serve``'s from its parsed options, with the process-wide settings they name made first (the GIL
+        switch interval, the argmax threads); also what ``tools/probe_engine_alone.py`` serves its engine under."""
+        from kvrt.accounting.budget import Budget, choose_budget
+        from kvrt.accounting.estimate import load_vram_table
+        from kvrt.accounting.ledger import VramLedger
+        from kvrt.serve.registry import ModelRegistry
+
+        sys.setswitchinterval(args.gil_switch_s)
+        if args.argmax_threads is not None:
+            from kvrt.engine.argmax import set_threads
+
+            set_threads(args.argmax_threads)
+        table = load_vram_table(args.vram_table) if args.vram_table else None
+        devices = _device_ledgers(args)
+        if devices is not None:
+            budget = Budget("devices", None, args.admit_percent, f"--devices {args.devices}")
+            ledger = devices.ledger(devices.indices[0])
+        else:
+            budget = choose_budget(args.capacity_bytes, args.admit_percent)
+            ledger = VramLedger(budget.capacity_bytes, admit_percent=args.admit_percent,
+                                reconcile_every_s=args.reconcile_s if budget.source == "nvml" else None)
+        registry = ModelRegistry(ledger, n_gpu_layers=args.n_gpu_layers, table=table,
+                                 measure=args.charge == "measured", devices=devices)
+        return cls(budget, ledger, devices, registry)
+
+    def close(self) -> None:
+        """The registry's models, then the ledgers."""
+        self.registry.close()
+        (self.devices or self.ledger).close()
 
 
 def _device_ledgers(args: argparse.Namespace) -> DeviceLedgers | None:
