@@ -311,3 +311,19 @@ def test_overloaded_engine_answers_503(tiny_model):
         server.stop()
         engine.close()
     assert results and results[0].choices[0].finish_reason == "length"
+
+
+def test_a_completion_prompt_is_one_text_or_one_id_list_wrapped_or_not(served):
+    """Token ids are checked on the event loop and text tokenized off it (``single_prompt`` tells them apart): a
+    list of one id list answers as the ids do, more than one prompt and an empty one are refused by name."""
+    url, name = served["url"] + "/v1/completions", served["tiny"]
+    ids = [5, 6, 7, 8]
+    body = {"model": name, "max_tokens": 4, "temperature": 0}
+    status, plain = http_json("POST", url, body | {"prompt": ids})
+    assert status == 200
+    status, wrapped = http_json("POST", url, body | {"prompt": [ids]})
+    assert status == 200 and wrapped["choices"][0]["text"] == plain["choices"][0]["text"]
+    status, error = http_json("POST", url, body | {"prompt": [ids, ids]})
+    assert status == 400 and "one prompt per request, got 2" in error["error"]["message"]
+    status, error = http_json("POST", url, body | {"prompt": []})
+    assert status == 400 and "it is empty" in error["error"]["message"]

@@ -373,15 +373,23 @@ def longest_piece(model: Model) -> int:
                       for t in range(model.n_vocab)))
 
 
+def single_prompt(prompt: str | list[Any]) -> str | list[Any]:
+    """A completions ``prompt``'s one prompt: its text or its token ids (a list of one text or one id list is
+    unwrapped); more than one is refused."""
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        if len(prompt) != 1:
+            raise ApiError(400, f"prompt: kvrt serves one prompt per request, got {len(prompt)}", param="prompt")
+        unwrapped: str | list[Any] = prompt[0]
+        return unwrapped
+    return prompt
+
+
 def completion_prompt(model: Model, prompt: str | list[Any], *, limit: tuple[int, int] | None = None) -> list[int]:
     """Tokens of a completions ``prompt``: text (special-token text parsed) or token ids; one prompt only.
 
     ``limit``: see :func:`text_tokens` (token ids beyond its cells are refused too).
     """
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            raise ApiError(400, f"prompt: kvrt serves one prompt per request, got {len(prompt)}", param="prompt")
-        prompt = prompt[0]
+    prompt = single_prompt(prompt)
     if not isinstance(prompt, str) and limit is not None and len(prompt) > limit[0]:
         raise ApiError(400, f"prompt: {len(prompt)} tokens are more than the context's {limit[0]} cells",
                        param="prompt", code="context_length_exceeded")

@@ -83,6 +83,7 @@ from kvrt.serve.openai_schema import (
     completion_prompt,
     parse,
     pieces_text,
+    single_prompt,
 )
 from kvrt.serve.responses_routes import ResponsesRoutes
 
@@ -205,10 +206,10 @@ class OpenAIServer:
         limit = await self.intake.limit(body.model, engine)
         # token ids are checked here (a pass over them costs less than a hop to a thread and back, and holds the
         # GIL either way); text is tokenized off the loop
-        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], int):
-            prompt = completion_prompt(engine.model, body.prompt, limit=limit)
-        else:
+        if isinstance(single_prompt(body.prompt), str):
             prompt = await self.intake.off_loop(lambda: completion_prompt(engine.model, body.prompt, limit=limit))
+        else:
+            prompt = completion_prompt(engine.model, body.prompt, limit=limit)
         return await self.runner.run(request, "text", body, engine, prompt,
                                      body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs, agent=agent)
 
