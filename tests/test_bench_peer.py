@@ -152,6 +152,39 @@ def test_every_arm_loads_the_weights_as_kvrts_verdict_for_this_cpu_says(tiny_mod
         assert "skipped" in ideal and flag in ideal["argv"].split()  # 4 x 36 cells do not fit 64: never started
 
 
+def _stand_in_batched_bench(path: Path, unified_s: float, split_s: float) -> Path:
+    """An executable that answers as llama-batched-bench's jsonl does, with ``unified_s`` seconds under ``-kvu``
+    and ``split_s`` without ($t spliced in outside the quotes): what the layout choice reads, not llama.cpp's timing."""
+    answer = json.dumps({"t_pp": 0.5, "t_tg": 0.5, "t": "T", "speed_tg": 1, "speed": 1}).replace('"T"', "'$t'")
+    path.write_text(f"#!/bin/sh\nt={split_s}\nfor a in \"$@\"; do [ \"$a\" = -kvu ] && t={unified_s}; done\n"
+                    f"echo '{answer}'\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize(("unified_s", "split_s", "chosen"), [(1.0, 2.0, "unified"), (3.0, 2.0, "split")])
+def test_a_shared_prompts_ideal_is_the_faster_of_llama_cpps_two_kv_layouts(tiny_model_path, tmp_path, unified_s,
+                                                                        split_s, chosen):
+    binary = _stand_in_batched_bench(tmp_path / "llama-batched-bench", unified_s, split_s)
+    config = ServerConfig(tiny_model_path, 1024, 4, 512, 256, "off", 1)
+    ideal = batched_bench(binary, tmp_path, config, 32, 4, True, 10.0)
+    assert ideal["layout"] == chosen and ideal["t_s"] == min(unified_s, split_s)
+    assert {name: point["t_s"] for name, point in ideal["layouts"].items()} == {"unified": unified_s,
+                                                                                "split": split_s}
+    assert "-kvu" in ideal["layouts"]["unified"]["argv"].split()
+    assert "-kvu" not in ideal["layouts"]["split"]["argv"].split()
+    private = batched_bench(binary, tmp_path, config, 32, 4, False, 10.0)
+    assert private["t_s"] == split_s and "layout" not in private  # own prompts: one stream a sequence only
+
+
+def test_a_shared_prompt_that_only_the_unified_layout_holds_gets_that_layouts_ideal(tiny_model_path, tmp_path):
+    binary = _stand_in_batched_bench(tmp_path / "llama-batched-bench", 1.0, 0.5)
+    config = ServerConfig(tiny_model_path, 64, 4, 512, 256, "off", 1)  # 4 x (32 + 4) do not fit, 32 + 4 x 4 do
+    ideal = batched_bench(binary, tmp_path, config, 32, 4, True, 10.0)
+    assert ideal["layout"] == "unified" and ideal["t_s"] == 1.0
+    assert "needs 144 cells" in ideal["layouts"]["split"]["skipped"]
+
+
 def test_the_kvrt_arm_alone_serves_every_turn_in_full(tiny_model_path, tmp_path):
     args = _args("--model", str(tiny_model_path), "--arms", "kvrt", "--agents", "2", "--threads", "1",
                  "--flash-attn", "off", *TINY_SIZES, out=tmp_path)

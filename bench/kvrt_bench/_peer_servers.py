@@ -271,18 +271,36 @@ def _tail(path: Path, lines: int = 8) -> str:
 
 def batched_bench(binary: Path, lib: Path, config: ServerConfig, prompt: int, gen: int, shared: bool,
                   timeout_s: float) -> dict[str, Any]:
-    """llama-batched-bench's one point ``-npp prompt -ntg gen -npl slots`` (``-pps`` when the prompt is shared)
-    with the same cells, batch sizes, flash attention and threads: its prompt, generation and total seconds.
-    A point that does not fit the cells (every sequence's prompt and output in its own share) is reported as
-    skipped, as batched-bench would skip it silently."""
-    need = config.slots * (prompt + gen)
+    """The ideal of one workload: llama-batched-bench's point ``-npp prompt -ntg gen -npl slots`` (``-pps`` when
+    the prompt is shared) with the same cells, batch sizes, flash attention and threads.
+
+    A shared prompt is measured in both of llama.cpp's KV layouts and the faster one is the ideal: with one stream
+    a sequence (llama.cpp's default) every sequence holds and reads its own copy of the prompt, in one unified
+    stream every sequence reads the one copy, so neither is a floor alone. The answer is the chosen layout's
+    figures, with both layouts' under ``layouts``."""
+    if not shared:
+        return _batched_bench_point(binary, lib, config, prompt, gen, shared, False, timeout_s)
+    layouts = {name: _batched_bench_point(binary, lib, config, prompt, gen, shared, unified, timeout_s)
+               for name, unified in (("split", False), ("unified", True))}
+    measured = [name for name, point in layouts.items() if "t_s" in point]
+    best = min(measured, key=lambda name: layouts[name]["t_s"]) if measured else "split"
+    return layouts[best] | {"layout": best, "layouts": layouts}
+
+
+def _batched_bench_point(binary: Path, lib: Path, config: ServerConfig, prompt: int, gen: int, shared: bool,
+                         unified: bool, timeout_s: float) -> dict[str, Any]:
+    """One run of llama-batched-bench in one KV layout (``unified``: ``-kvu``): its prompt, generation and total
+    seconds. A point that does not fit the cells (each sequence's output, and the prompt once in the unified
+    layout, else in every sequence) is reported as skipped, as batched-bench would skip it silently."""
+    need = (prompt if shared and unified else config.slots * prompt) + config.slots * gen
     argv = [str(binary), "-m", str(config.model), "-c", str(config.cells), "-b", str(config.n_batch), "-ub",
             str(UBATCH), "-fa", config.flash_attn, "-ngl", "all", "-npp", str(prompt), "-ntg", str(gen),
-            "-npl", str(config.slots), config.repack_flag(), "--output-format", "jsonl"] + (["-pps"] if shared else [])
+            "-npl", str(config.slots), config.repack_flag(), "--output-format", "jsonl"]
+    argv += (["-pps"] if shared else []) + (["-kvu"] if unified else [])
     argv += ["-t", str(config.threads)] if config.threads else []
     out: dict[str, Any] = {"argv": " ".join(argv), "prompt": prompt, "gen": gen, "n": config.slots, "shared": shared}
     if need > config.cells:
-        return out | {"skipped": f"needs {need} cells ({config.slots} x {prompt + gen}), has {config.cells}"}
+        return out | {"skipped": f"needs {need} cells, has {config.cells}"}
     for _ in range(BENCH_ATTEMPTS):  # its result line, printed by llama.cpp's log thread, was seen missing once
         try:
             run = subprocess.run(argv, capture_output=True, text=True, env=shared_library_env(lib),

@@ -19,7 +19,8 @@ output tokens lost (every request must return all of them), prompt tokens the se
 cached, and kvrt's engine counters diffed over the workload (``/v1/kvrt/stats``:
 prefilled, reused, restored tokens). The ideal: ``llama-batched-bench`` of the same build,
 ``-npp`` the first turn's prompt, ``-ntg`` every turn's output, ``-npl N`` (``-pps`` where
-the document is shared): later turns' appended tokens are not in it, so it is a bound.
+the document is shared, then the faster of llama.cpp's split and unified KV layouts): later
+turns' appended tokens are not in it, so it is a bound.
 Ratios: kvrt / llama-server wall time and tokens/s (same round), the ideal's time /
 kvrt's. llama-server runs only where every slot's share of the cells (``cells / N``)
 holds an agent's whole history; elsewhere its row says why it was skipped, and with ``--roomy``
@@ -316,7 +317,8 @@ def run(args: argparse.Namespace) -> int:
                 w: batched_bench(bench, lib, roomy if args.roomy and w in short else config, s.first_prompt_tokens(),
                                  s.gen * s.turns, s.shared > 0, args.bench_timeout_s) for w, s in sizes.items()}
             for w, ideal in results["ideal"][str(n)].items():
-                log(f"  {'ideal':>20} {w:>8}: " + (f"{ideal['t_s']:7.2f} s (batched-bench)" if "t_s" in ideal
+                layout = f", {ideal['layout']} KV" if "layout" in ideal else ""
+                log(f"  {'ideal':>20} {w:>8}: " + (f"{ideal['t_s']:7.2f} s (batched-bench{layout})" if "t_s" in ideal
                                                      else f"skipped ({ideal['skipped']})"))
     results["summary"] = summarise(rows, results["ideal"], replies)
     results["rounds"] = rows
