@@ -232,6 +232,11 @@ def test_both_arms_on_the_tiny_model_when_llama_server_is_found(tiny_model_path,
     assert len(digests["kvrt"]) == 1 and digests["kvrt"] == digests["llama-server"]
     assert "kvrt_over_llama_server_wall" in result["summary"]["N=2 swarm"]
     assert os.path.exists(tmp_path / "peer" / "peer.png")
+    ideal = result["ideal"]["2"]  # batched-bench beside llama-server, both layouts for a shared prompt
+    for shared in ("fanout", "swarm"):
+        seconds = {name: point["t_s"] for name, point in ideal[shared]["layouts"].items()}
+        assert set(seconds) == {"split", "unified"} and ideal[shared]["t_s"] == min(seconds.values())
+    assert "t_s" in ideal["private"] and "layouts" not in ideal["private"]
 
 
 def test_llama_server_given_the_cells_it_needs_where_the_shared_count_is_short(tiny_model_path, tmp_path,
