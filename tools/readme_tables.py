@@ -256,8 +256,9 @@ CPU_HOST_TIER = ("host-tier/bench_host_tier-512.json", "host-tier/bench_host_tie
 H200_PEER = ("peer-fdbb77a/call1/n32/peer/peer.json",)
 H200_PEER_POOL = ("peer/n32/peer/peer.json", "peer/n8/peer/peer.json")
 CPU_PEER = ("peer-2c1117a/peer.json", "peer-d42386e-n32/peer.json")
-H100_PEER = ("peer-614d9a5/call1/peer/n32/peer/peer.json", "peer-904702a/call1/peer/n8/peer/peer.json",
-             "peer-614d9a5/call2-n64/peer/n64/peer/peer.json")
+H100_PEER = ("peer-dff14d4/call1/peer/n32/peer/peer.json",
+             "../h100-2026-12-07/peer-904702a/call1/peer/n8/peer/peer.json",
+             "peer-dff14d4/call2-n64/peer/n64/peer/peer.json")
 H100_MULTIMODEL = ("multimodel-3d23534/multimodel.json", "multimodel-bursty-e3c6042/multimodel.json")
 ROWS = (
     Row("two agents over a 3,501-token document, end to end vs the warm baseline (bound 2), and the ideal",
@@ -288,10 +289,11 @@ ROWS = (
         "2c1117a, N = 32 at d42386e, three rounds each); wall time (kvrt faster by), and batched-bench's ideal / kvrt",
         Cell(lambda f: peer(f, H200_PEER), H200_PEER, "h200-2026-12-06"),
         Cell(lambda f: peer(f, CPU_PEER), CPU_PEER, "cpu-2026-12-07"), "-"),
-    Row("the same on an NVIDIA H100 80GB (2026-12-07), commit 614d9a5 at N = 32 and 64 (one run), 904702a at N = 8 "
+    Row("the same on an NVIDIA H100 80GB, commit dff14d4 at N = 32 and 64 (2026-12-08, one run; the ideal of a shared "
+        "prompt the faster of llama.cpp's two KV layouts), 904702a at N = 8 (2026-12-07) "
         "(at N = 64 llama-server given the cells it needs and its host prompt cache off, `--cache-ram 0`; with its "
         "default, and the earlier H100 runs: `bench/RESULTS.md`)",
-        Cell(lambda f: peer(f, H100_PEER), H100_PEER, "h100-2026-12-07"), None, "-"),
+        Cell(lambda f: peer(f, H100_PEER), H100_PEER, "h100-2026-12-08"), None, "-"),
     Row("the same on the H200 of 2026-12-05, commit 8dbdb04 (before the step layout's work), N = 32 and 8",
         Cell(lambda f: peer(f, H200_PEER_POOL), H200_PEER_POOL, "h200-2026-12-05"), None, "-"),
     Row("three models each asking for a huge context", Cell(coresidence, ("coresidence/agents.json",)), None,
