@@ -15,6 +15,7 @@
 # SKIP_STEPS=1 none of them, SKIP_BASICS=1 the
 # import-order probe and the llama.cpp GPU tests (GPU_TESTS: their files; GPU_MARK= runs all of their tests,
 # not only -m gpu). GPU_SUITE=1 also runs the whole test suite (logs suite-llama.log, suite-kernels.log).
+# MODEL_PRESETS: the benchmark models to generate (default "llama3.2-1b qwen2.5-7b"; the peer needs qwen2.5-7b).
 # The CUDA build takes 300-420 s there; tools/prebuild_llama_cuda.sh makes it here instead (sm_90 code only, which
 # xz packs small enough to carry), and build_llama unpacks that when it runs there. Built there, a cold machine
 # runs `all` within one call's 600 s only with steps trimmed (SKIP_STEP, AGENT_PARTS, FORK_SWEEP_N).
@@ -87,7 +88,7 @@ unpack_prebuilt() {  # .gpu-carry/llama-cuda-prebuilt.tar.xz (tools/prebuild_lla
 }
 
 make_models() {
-  for preset in llama3.2-1b qwen2.5-7b; do
+  for preset in ${MODEL_PRESETS:-llama3.2-1b qwen2.5-7b}; do  # the peer's steps need qwen2.5-7b alone
     [ -f "$MODELS/$preset.gguf" ] || KVRT_NO_PRELOAD=1 python3 tools/make_test_model.py --preset "$preset" --out "$MODELS/$preset.gguf" \
       > "$RESULTS/model-$preset.log" 2>&1 || note "model $preset FAILED"
   done
