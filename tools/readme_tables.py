@@ -255,7 +255,7 @@ H200_HOST_TIER = ("host-tier/doc-8192.json", "host-tier/doc-32768.json")
 CPU_HOST_TIER = ("host-tier/bench_host_tier-512.json", "host-tier/bench_host_tier-2048.json")
 H200_PEER = ("peer-fdbb77a/call1/n32/peer/peer.json",)
 H200_PEER_POOL = ("peer/n32/peer/peer.json", "peer/n8/peer/peer.json")
-CPU_PEER = ("peer-2c1117a/peer.json", "peer-d42386e-n32/peer.json")
+CPU_PEER = ("peer-dff14d4-n8/peer.json", "peer-dff14d4-n32/peer.json")
 H100_PEER = ("peer-dff14d4/call1/peer/n32/peer/peer.json",
              "../h100-2026-12-07/peer-904702a/call1/peer/n8/peer/peer.json",
              "peer-dff14d4/call2-n64/peer/n64/peer/peer.json")
@@ -285,10 +285,11 @@ ROWS = (
         Cell(lambda f: host_tier(f, H200_HOST_TIER), H200_HOST_TIER, "h200-2026-12-04"),
         Cell(lambda f: host_tier(f, CPU_HOST_TIER), CPU_HOST_TIER, "cpu-2026-12-04"), "-"),
     Row("many agents over OpenAI's HTTP API, all at once: kvrt (`--kv-layout auto`) vs llama.cpp's `llama-server`, "
-        "same GGUF, libllama and cells (H200: 163,840, flash attention on; CPU: the demo model, N = 8 at commit "
-        "2c1117a, N = 32 at d42386e, three rounds each); wall time (kvrt faster by), and batched-bench's ideal / kvrt",
+        "same GGUF, libllama and cells (H200: 163,840, flash attention on; CPU: the demo model, commit dff14d4, three "
+        "rounds each, the ideal of a shared prompt the faster of llama.cpp's two KV layouts); wall time (kvrt faster "
+        "by), and batched-bench's ideal / kvrt",
         Cell(lambda f: peer(f, H200_PEER), H200_PEER, "h200-2026-12-06"),
-        Cell(lambda f: peer(f, CPU_PEER), CPU_PEER, "cpu-2026-12-07"), "-"),
+        Cell(lambda f: peer(f, CPU_PEER), CPU_PEER, "cpu-2026-12-08"), "-"),
     Row("the same on an NVIDIA H100 80GB, commit dff14d4 at N = 32 and 64 (2026-12-08, one run; the ideal of a shared "
         "prompt the faster of llama.cpp's two KV layouts), 904702a at N = 8 (2026-12-07) "
         "(at N = 64 llama-server given the cells it needs and its host prompt cache off, `--cache-ram 0`; with its "
