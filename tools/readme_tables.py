@@ -285,9 +285,9 @@ ROWS = (
         Cell(lambda f: host_tier(f, H200_HOST_TIER), H200_HOST_TIER, "h200-2026-12-04"),
         Cell(lambda f: host_tier(f, CPU_HOST_TIER), CPU_HOST_TIER, "cpu-2026-12-04"), "-"),
     Row("many agents over OpenAI's HTTP API, all at once: kvrt (`--kv-layout auto`) vs llama.cpp's `llama-server`, "
-        "same GGUF, libllama and cells (H200: 163,840, flash attention on; CPU: the demo model, commit dff14d4, three "
-        "rounds each, the ideal of a shared prompt the faster of llama.cpp's two KV layouts); wall time (kvrt faster "
-        "by), and batched-bench's ideal / kvrt",
+        "same GGUF, libllama and cells (H200: 163,840, flash attention on, commit fdbb77a; CPU: the demo model, commit "
+        "dff14d4, three rounds each, where the ideal of a shared prompt is the faster of llama.cpp's two KV layouts); "
+        "wall time (kvrt faster by), and batched-bench's ideal / kvrt",
         Cell(lambda f: peer(f, H200_PEER), H200_PEER, "h200-2026-12-06"),
         Cell(lambda f: peer(f, CPU_PEER), CPU_PEER, "cpu-2026-12-08"), "-"),
     Row("the same on an NVIDIA H100 80GB, commit dff14d4 at N = 32 and 64 (2026-12-08, one run; the ideal of a shared "
