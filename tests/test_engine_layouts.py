@@ -86,9 +86,11 @@ def test_auto_turns_unified_for_a_request_longer_than_a_slot_and_split_again_whe
     with engine(tiny_model, n_ctx=512, n_seq_max=2, n_batch=64, kv_layout="auto", split_after_idle_s=0) as eng:
         assert eng.stats().kv_layout == "split"
         small = eng.submit(Request(short[0], greedy(4))).result(WAIT_S)
+        assert eng.stats().relayout_s == 0.0
         big = eng.submit(Request(long, greedy(4))).result(WAIT_S)
         stats = eng.stats()
         assert (stats.kv_layout, stats.slot_cells, stats.relayouts) == ("unified", 512, 1)
+        assert stats.relayout_s > 0.0  # the worker's time recreating the context, counted
         # the long history stays cached, so the context stays unified; two short ones evict it (LRU)
         for history in short:
             eng.submit(Request(history + [5, 6], greedy(4))).result(WAIT_S)

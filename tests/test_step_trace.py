@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,7 @@ def test_the_summary_tool_groups_a_real_trace(tiny_model, tmp_path):
                          capture_output=True, text=True, check=True).stdout
     steps = read_trace(trace_path)
     assert f"{len(steps)} steps" in out
+    assert f"waited in the queue up to {max(s.waited_ms for s in steps):.1f} ms" in out
     assert any(line.split()[:1] == ["decode"] for line in out.splitlines())  # the last steps decode alone
     bad = subprocess.run([sys.executable, str(REPO / "tools" / "step_trace_summary.py"), str(tmp_path / "none")],
                          capture_output=True, text=True)
@@ -143,3 +145,24 @@ def test_the_summary_tool_names_the_steps_with_surplus_micro_batches(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     named = [line.strip() for line in out.splitlines() if line.startswith("  +")]
     assert named == ["+4 micro-batches (8 in 136.5 ms): 0-2:129, 5-7:129, 9-12:129, 20-23:129, 30:129"]
+
+
+def test_a_step_names_how_long_the_requests_it_placed_waited(tiny_model, tmp_path):
+    """One slot, two requests submitted together: the step that places the second says it waited at least from
+    its submit to that step's start, the first's steps in between; steps that place nothing say 0."""
+    config = EngineConfig(n_ctx=256, n_seq_max=1, n_batch=32, flash_attn="off")
+    trace_path = tmp_path / "tiny.jsonl"
+    prompt = tiny_model.tokenize("one two three four")
+    with Engine(tiny_model, config, trace=StepTrace(trace_path)) as engine:
+        params = GenerationParams(max_tokens=6, sampling=SamplingParams(temperature=0.0))
+        first = engine.submit(Request(prompt, params))
+        second = engine.submit(Request(prompt + [7], params))
+        submitted = time.perf_counter()
+        first.result(WAIT_S)
+        second.result(WAIT_S)
+    steps = read_trace(trace_path)
+    placing = [i for i, s in enumerate(steps) if s.waited_ms > 0]
+    assert placing[0] == 0 and len(placing) == 2  # the first step placed the first, a later one the second
+    later = steps[placing[1]]
+    assert placing[1] >= 6 and later.prompt_tokens > 0  # after the first's six tokens, with the second's prompt
+    assert later.waited_ms >= 1e3 * (later.t_s - submitted)

@@ -5,7 +5,8 @@ Usage: python tools/step_trace_summary.py TRACE.jsonl [...]
 For each file: its steps grouped by what they carried (decode rows only, prompt chunks
 only, both) and, within a group, by how many micro-batches llama.cpp split them into;
 per group the steps, their share of the wall time, and the median milliseconds of each
-phase: where a run's time went and what a step of each shape costs on that machine. Then the
+phase: where a run's time went and what a step of each shape costs on that machine, and the longest a
+request waited in the queue before a step placed it (a layout switch made for it counts). Then the
 steps with the most micro-batches beyond what their tokens need, with their slots and tokens.
 """
 
@@ -48,7 +49,8 @@ def summary(steps: list[StepRecord]) -> list[str]:
                      + " ".join(f"{m:>7.2f}" for m in medians) + f" {waits:>7.2f}")
     wall_s = steps[-1].t_s - steps[0].t_s + sum(getattr(steps[-1], p) for p in PHASES) / 1e3
     lines.append(f"{len(steps)} steps, {total_ms / 1e3:.2f} s busy of {wall_s:.2f} s from the first step to the "
-                 f"last's end; {sum(s.micro_batches for s in steps) / len(steps):.2f} micro-batches a step")
+                 f"last's end; {sum(s.micro_batches for s in steps) / len(steps):.2f} micro-batches a step; "
+                 f"a request waited in the queue up to {max(s.waited_ms for s in steps):.1f} ms")
     return lines + surplus(steps)
 
 

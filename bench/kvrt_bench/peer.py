@@ -78,8 +78,8 @@ SIZE_OPTIONS = {"fanout": ("fanout_doc", "fanout_question", None, None),
                 "swarm": ("swarm_doc", "swarm_task", "swarm_turns", "swarm_append"),
                 "private": (None, "private_history", "private_turns", "private_append")}
 KVRT_COUNTERS = ("prefilled_tokens", "reused_tokens", "restored_tokens", "decoded_tokens", "steps", "busy_s",
-                 "decode_s", "admit_s", "fill_s", "sample_s", "host_cpu_s", "relayouts", "host_kept", "host_keep_s",
-                 "micro_batches", "sampled_on_device", "sampler_switches")
+                 "decode_s", "admit_s", "fill_s", "sample_s", "host_cpu_s", "relayouts", "relayout_s", "host_kept",
+                 "host_keep_s", "micro_batches", "sampled_on_device", "sampler_switches")
 CELL_ROUND = 256
 
 
@@ -233,7 +233,8 @@ def step_times(row: dict[str, Any]) -> str:
             f"(worker CPU {per_step['host_cpu_s']:.2f}), "
             f"{row.get('kvrt_micro_batches', 0) / row['kvrt_steps']:.2f} llama.cpp micro-batches; "
             f"layout {row.get('kvrt_kv_layout')}, hold {row.get('kvrt_hold_s', 0.0) * 1e3:.0f} ms, "
-            f"{row.get('kvrt_relayouts', 0)} relayouts; {row.get('kvrt_host_kept', 0)} evicted slots copied to the "
+            f"{row.get('kvrt_relayouts', 0)} relayouts in {row.get('kvrt_relayout_s', 0.0):.2f} s; "
+            f"{row.get('kvrt_host_kept', 0)} evicted slots copied to the "
             f"host tier in {row.get('kvrt_host_keep_s', 0.0):.2f} s, {row.get('kvrt_restored_tokens', 0)} tokens "
             f"restored; {row.get('kvrt_sampled_on_device', 0)} tokens sampled in the decode's graph "
             f"({row.get('kvrt_sampler_switches', 0)} sampler switches)")

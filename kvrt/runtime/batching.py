@@ -135,6 +135,8 @@ class Engine:
         self._wake = threading.Event()
         self._closing = False
         self._steps = self._prefilled = self._reused = self._restored = self._decoded = self._relayouts = 0
+        self._relayout_s = 0.0  # seconds spent recreating the context (EngineStats.relayout_s)
+        self._placed_wait_s = 0.0  # the longest queue wait of the requests placed since the last step decoded
         self._micro_batches = self._sampled_on_device = self._sampler_switches = 0
         self._filler = BatchFiller(self.batch, model, chunk=self.config.prefill_chunk, pad_gaps=self.config.pad_gaps,
                                    even_chunks=self.config.even_chunks, decode_wait_s=self.config.decode_wait_s)
@@ -244,8 +246,9 @@ class Engine:
             decode_s=clock.decode_s, admit_s=clock.admit_s, fill_s=clock.fill_s, sample_s=clock.sample_s,
             host_cpu_s=clock.host_cpu_s, queued=queued, active=len(self._live), used_cells=cache.used_cells,
             n_cells=cache.n_cells, slots=tuple(cache.describe()), kv_layout="unified" if cache.shared else "split",
-            slot_cells=cache.slot_cells, relayouts=self._relayouts, micro_batches=self._micro_batches,
-            host_dropped=host.dropped if host else 0, sampled_on_device=self._sampled_on_device,
+            slot_cells=cache.slot_cells, relayouts=self._relayouts, relayout_s=self._relayout_s,
+            micro_batches=self._micro_batches, host_dropped=host.dropped if host else 0,
+            sampled_on_device=self._sampled_on_device,
             sampler_switches=self._sampler_switches, hold_s=self._hold.seconds)
 
     def close(self) -> None:
@@ -387,6 +390,7 @@ class Engine:
         shape = step.shape
         micro = count_micro_batches(shape, self.ctx.params.n_ubatch, per_stream=not self.cache.shared)
         self._micro_batches += micro
+        waited, self._placed_wait_s = self._placed_wait_s, 0.0
         if self.trace is None:
             return
         rows = step.rows
@@ -399,7 +403,7 @@ class Engine:
             tokens=sum(r.p1 - r.p0 for r in rows), decode_rows=len(rows) - len(prompt), prompt_tokens=sum(prompt),
             prompt_chunks=len(prompt), sequences=len({r.seq for r in rows}), micro_batches=micro,
             live=len(self._live), queued=queued, layout="unified" if self.cache.shared else "split",
-            pads=len(step.pads), shape=[[slot, tokens] for slot, tokens in shape]))
+            pads=len(step.pads), shape=[[slot, tokens] for slot, tokens in shape], waited_ms=1e3 * waited))
 
     def _run_commands(self) -> None:
         while True:
@@ -475,6 +479,7 @@ class Engine:
             return False
         with self._lock:
             self._queue.take(pending)
+        self._placed_wait_s = max(self._placed_wait_s, time.monotonic() - pending.queued_at)
         self._reused += live.reused
         self._restored += live.restored
         if live.turnaround is not None:
@@ -610,6 +615,7 @@ class Engine:
         """The worker recreates the context in ``layout``. If that fails, the request that needed a roomier
         layout is refused, or, where the layout it keeps holds that request (a return to the ``n_seq_max``
         streams, a switch away from one pool), the context keeps that layout for good."""
+        start = time.perf_counter()
         try:
             self._relayout(layout)
         except KvrtError as exc:
@@ -624,6 +630,8 @@ class Engine:
             if pending is not None:
                 pending.end("error", RequestTooLarge(f"the request needs more than a slot's {self.cache.slot_cells} "
                                                      f"cells, and the context could not be made roomier: {exc}"))
+        finally:
+            self._relayout_s += time.perf_counter() - start
 
     def _relayout(self, layout: Layout) -> None:
         """Recreate the context in ``layout`` (nothing runs, nothing is pinned), dropping what it and the host

@@ -304,6 +304,7 @@ class EngineStats:
     kv_layout: str  # "split" (a KV stream per slot) or "unified" (one pool), see EngineConfig.kv_layout
     slot_cells: int  # the most one slot can hold in that layout
     relayouts: int  # times the context was recreated in the other layout (kv_layout "auto")
+    relayout_s: float = 0.0  # seconds those recreations took (the worker decodes nothing meanwhile)
     host_dropped: int = 0  # host tier entries dropped (least recently used out for room, or held whole by a newer one)
     sampled_on_device: int = 0  # sampled tokens picked in the decode's graph (EngineConfig.backend_sampling)
     sampler_switches: int = 0  # slots turned to or from that (each makes llama.cpp reserve its graphs again)

@@ -130,6 +130,8 @@ class StepRecord:
     pads: int = 0  # throwaway tokens in idle slots between the batch's sequences (not in ``tokens``)
     shape: list[list[int]] = field(default_factory=list)  # [slot, tokens] of each sequence, pads too, slot order:
     # what llama.cpp split into micro_batches (kvrt.engine.micro_batches.split_per_stream replays it)
+    waited_ms: float = 0.0  # the longest a request placed since the previous step waited in the queue (from its
+    # submit: a layout switch made for it, slots it waited for); 0 when none was placed
 
 
 class StepTrace:
