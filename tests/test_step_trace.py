@@ -145,6 +145,10 @@ def test_the_summary_tool_names_the_steps_with_surplus_micro_batches(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     named = [line.strip() for line in out.splitlines() if line.startswith("  +")]
     assert named == ["+4 micro-batches (8 in 136.5 ms): 0-2:129, 5-7:129, 9-12:129, 20-23:129, 30:129"]
+    # the first step ends 138.8 ms after its start (its four phases), the second starts 200 ms after it
+    assert "  0.061 s between steps; the longest:" in out.splitlines()
+    assert ("    61.2 ms before a step of 0 decode rows and 1935 prompt tokens, 32 running, 0 queued, placed after "
+            "waiting up to 0.0 ms") in out.splitlines()
 
 
 def test_a_step_names_how_long_the_requests_it_placed_waited(tiny_model, tmp_path):

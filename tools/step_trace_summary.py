@@ -7,7 +7,8 @@ only, both) and, within a group, by how many micro-batches llama.cpp split them 
 per group the steps, their share of the wall time, and the median milliseconds of each
 phase: where a run's time went and what a step of each shape costs on that machine, and the longest a
 request waited in the queue before a step placed it (a layout switch made for it counts). Then the
-steps with the most micro-batches beyond what their tokens need, with their slots and tokens.
+steps with the most micro-batches beyond what their tokens need, with their slots and tokens, and the
+longest stretches between steps (the engine idle, or its thread waiting for the GIL).
 """
 
 from __future__ import annotations
@@ -51,7 +52,21 @@ def summary(steps: list[StepRecord]) -> list[str]:
     lines.append(f"{len(steps)} steps, {total_ms / 1e3:.2f} s busy of {wall_s:.2f} s from the first step to the "
                  f"last's end; {sum(s.micro_batches for s in steps) / len(steps):.2f} micro-batches a step; "
                  f"a request waited in the queue up to {max(s.waited_ms for s in steps):.1f} ms")
-    return lines + surplus(steps)
+    return lines + surplus(steps) + idle(steps)
+
+
+def idle(steps: list[StepRecord], most: int = 3) -> list[str]:
+    """The longest stretches between one step's end and the next one's start, with what that next step carried:
+    where the engine had nothing to decode (every request ended, the next turns not yet placed) or its thread
+    waited for the GIL between steps."""
+    gaps = sorted(((after.t_s - before.t_s - sum(getattr(before, p) for p in PHASES) / 1e3, after)
+                   for before, after in zip(steps, steps[1:])), key=lambda gap: -gap[0])
+    if not gaps:
+        return []
+    lines = [f"  {sum(gap for gap, _ in gaps):.3f} s between steps; the longest:"]
+    return lines + [f"    {1e3 * gap:.1f} ms before a step of {after.decode_rows} decode rows and "
+                    f"{after.prompt_tokens} prompt tokens, {after.live} running, {after.queued} queued, "
+                    f"placed after waiting up to {after.waited_ms:.1f} ms" for gap, after in gaps[:most]]
 
 
 def surplus(steps: list[StepRecord], ubatch: int = 512, most: int = 3) -> list[str]:
