@@ -21,15 +21,15 @@ import os
 
 import numpy as np
 import pytest
+
 from kvrt.engine.context import Context
 from kvrt.engine.context_params import ContextParams
 from kvrt.engine.generation import prefill
-from kvrt.runtime.host_tier import HostArena, HostEntry, HostTier, numpy_memory, piece_size
 from kvrt.engine.model import Model
+from kvrt.runtime.host_tier import HostArena, HostEntry, HostTier, numpy_memory, piece_size
 from kvrt.runtime.prefix_cache import PrefixCache
 from kvrt.state.hostpool import host_memory
 from kvrt.system.gpu import cupy_usable
-
 from kvrt_bench.fanout import fox_document
 
 DOC_TOKENS = int(os.environ.get("KVRT_BENCH_DOC_TOKENS", "512"))
@@ -105,7 +105,8 @@ def test_returning_history_restored_from_a_numpy_copy(benchmark, cache):
     pageable = HostEntry(entry.tokens, piece, entry.nbytes)
     np.copyto(pageable.state, entry.state)
     benchmark.extra_info["state_bytes"] = int(entry.nbytes)
-    _bench(benchmark, tier, doc, expected, lambda slot: tier.restore(slot, pageable, len(doc)) or pytest.fail("refused"))
+    _bench(benchmark, tier, doc, expected,
+           lambda slot: tier.restore(slot, pageable, len(doc)) or pytest.fail("refused"))
 
 
 def test_returning_history_prefilled_again(benchmark, cache):

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+
 from kvrt.prefixes import common_prefix
 from kvrt.runtime.slot_tokens import SlotTokens
 

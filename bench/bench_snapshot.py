@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 
 import pytest
-from kvrt_bench.fanout import fox_document
 
 from kvrt.engine.context import Context
 from kvrt.engine.context_params import ContextParams
@@ -21,6 +20,7 @@ from kvrt.engine.model import Model
 from kvrt.state.contextpool import ContextPool
 from kvrt.state.hostpool import HostPool
 from kvrt.state.snapshot import Snapshot
+from kvrt_bench.fanout import fox_document
 
 DOC_TOKENS = int(os.environ.get("KVRT_BENCH_DOC_TOKENS", "512"))
 N_FORKS = 8

@@ -85,8 +85,9 @@ def main() -> None:
             row = measure(model, n_doc, args.branches, args.reps, args.flash_attn)
             rows.append(row)
             print(f"doc {n_doc:>7}: prefill {row['prefill_ms']:9.1f} ms | fork {row['fork_ms']:7.3f} ms "
-                  f"({row['fork_ns_per_cell']:5.1f} ns/cell) | fork x{args.branches} {row['fork_all_ms_per_branch']:7.3f}"
-                  f" ms/branch ({row['fork_all_ns_per_cell']:5.1f} ns/cell) | drop {row['drop_ms']:7.3f} ms", flush=True)
+                  f"({row['fork_ns_per_cell']:5.1f} ns/cell) | fork x{args.branches} "
+                  f"{row['fork_all_ms_per_branch']:7.3f} ms/branch ({row['fork_all_ns_per_cell']:5.1f} ns/cell) "
+                  f"| drop {row['drop_ms']:7.3f} ms", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"model": args.model, "reps": args.reps, "rows": rows}, f, indent=2)

@@ -13,7 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-LOAD_LLAMA_CPP = "import llama_cpp; llm = llama_cpp.Llama(MODEL, n_gpu_layers=-1, verbose=False); llm('hi', max_tokens=2)"
+LOAD_LLAMA_CPP = ("import llama_cpp; llm = llama_cpp.Llama(MODEL, n_gpu_layers=-1, verbose=False); "
+                  "llm('hi', max_tokens=2)")
 LOAD_KVRT = ("from kvrt import Model, Context, generate; m = Model(MODEL); c = Context(m, n_ctx=256); "
              "generate(c, 'hi')")
 LOAD_THEN = "import kvrt.bindings as b; b.lib(); import numpy; " + LOAD_KVRT + "; "

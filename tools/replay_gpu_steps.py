@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from kvrt.engine.generation import GenerationParams
 from kvrt.engine.micro_batches import split_per_stream
 from kvrt.engine.model import Model

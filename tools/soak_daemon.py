@@ -17,7 +17,6 @@ Prints a JSON summary; exit status 1 when any check failed.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import signal
 import socket
@@ -219,7 +218,8 @@ def client_loop(index: int, path: Path, model: Path, until: float, seed: int, ta
 
 def start_daemon(sock: Path, model: Path, state: Path, log: Path) -> subprocess.Popen[str]:
     shape = ModelShape.read(model)
-    capacity = shape.weight_bytes(on_gpu=False) + LIVE_CONTEXTS * context_estimate(shape, max(N_CTX_CHOICES)).total_bytes
+    context_bytes = context_estimate(shape, max(N_CTX_CHOICES)).total_bytes
+    capacity = shape.weight_bytes(on_gpu=False) + LIVE_CONTEXTS * context_bytes
     with log.open("a") as err:
         proc = subprocess.Popen([sys.executable, "-m", "kvrt.cli", "serve", "--socket", str(sock), "--threads", "1",
                                  "--capacity-bytes", str(capacity), "--state-dir", str(state)],
