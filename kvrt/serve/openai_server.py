@@ -206,10 +206,11 @@ class OpenAIServer:
         limit = await self.intake.limit(body.model, engine)
         # token ids are checked here (a pass over them costs less than a hop to a thread and back, and holds the
         # GIL either way); text is tokenized off the loop
-        if isinstance(single_prompt(body.prompt), str):
-            prompt = await self.intake.off_loop(lambda: completion_prompt(engine.model, body.prompt, limit=limit))
+        given = single_prompt(body.prompt)
+        if isinstance(given, str):
+            prompt = await self.intake.off_loop(lambda: completion_prompt(engine.model, given, limit=limit))
         else:
-            prompt = completion_prompt(engine.model, body.prompt, limit=limit)
+            prompt = completion_prompt(engine.model, given, limit=limit)
         return await self.runner.run(request, "text", body, engine, prompt,
                                      body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, body.logprobs, agent=agent)
 
