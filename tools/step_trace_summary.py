@@ -23,6 +23,11 @@ from kvrt.runtime.step_trace import StepRecord, read_trace
 PHASES = ("admit_ms", "fill_ms", "decode_ms", "sample_ms")
 
 
+def busy_ms(step: StepRecord) -> float:
+    """The step's wall time: its four phases, from its start to its end."""
+    return sum(getattr(step, phase) for phase in PHASES)
+
+
 def shape(step: StepRecord) -> str:
     """What a step carried: ``decode``, ``prompt`` or ``mixed``."""
     if step.prompt_chunks == 0:
@@ -37,18 +42,18 @@ def summary(steps: list[StepRecord]) -> list[str]:
     groups: dict[tuple[str, int], list[StepRecord]] = defaultdict(list)
     for step in steps:
         groups[(shape(step), step.micro_batches)].append(step)
-    total_ms = sum(sum(getattr(s, p) for p in PHASES) for s in steps)
+    total_ms = sum(map(busy_ms, steps))
     lines = [f"{'shape':>7} {'micro':>5} {'steps':>6} {'time %':>6} {'rows':>5} {'prompt':>6} "
              + " ".join(f"{p[:-3]:>7}" for p in PHASES) + f" {'waits':>7}   (medians, ms)"]
     for (kind, micro), group in sorted(groups.items()):
-        share = 100 * sum(sum(getattr(s, p) for p in PHASES) for s in group) / total_ms
+        share = 100 * sum(map(busy_ms, group)) / total_ms
         medians = [statistics.median(getattr(s, p) for s in group) for p in PHASES]
         waits = statistics.median(s.admit_ms + s.fill_ms + s.sample_ms - s.host_cpu_ms for s in group)
         lines.append(f"{kind:>7} {micro:>5} {len(group):>6} {share:>6.1f} "
                      f"{statistics.median(s.decode_rows for s in group):>5.0f} "
                      f"{statistics.median(s.prompt_tokens for s in group):>6.0f} "
                      + " ".join(f"{m:>7.2f}" for m in medians) + f" {waits:>7.2f}")
-    wall_s = steps[-1].t_s - steps[0].t_s + sum(getattr(steps[-1], p) for p in PHASES) / 1e3
+    wall_s = steps[-1].t_s - steps[0].t_s + busy_ms(steps[-1]) / 1e3
     lines.append(f"{len(steps)} steps, {total_ms / 1e3:.2f} s busy of {wall_s:.2f} s from the first step to the "
                  f"last's end; {sum(s.micro_batches for s in steps) / len(steps):.2f} micro-batches a step; "
                  f"a request waited in the queue up to {max(s.waited_ms for s in steps):.1f} ms")
@@ -59,8 +64,8 @@ def idle(steps: list[StepRecord], most: int = 3) -> list[str]:
     """The longest stretches between one step's end and the next one's start, with what that next step carried:
     where the engine had nothing to decode (every request ended, the next turns not yet placed) or its thread
     waited for the GIL between steps."""
-    gaps = sorted(((after.t_s - before.t_s - sum(getattr(before, p) for p in PHASES) / 1e3, after)
-                   for before, after in zip(steps, steps[1:])), key=lambda gap: -gap[0])
+    gaps = sorted(((after.t_s - before.t_s - busy_ms(before) / 1e3, after) for before, after in zip(steps, steps[1:])),
+                  key=lambda gap: -gap[0])
     if not gaps:
         return []
     lines = [f"  {sum(gap for gap, _ in gaps):.3f} s between steps; the longest:"]
